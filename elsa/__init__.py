@@ -1,0 +1,12 @@
+"""elsa: extended linear self-attention (ELSA), exact constructions and in-context learning.
+
+Reference: Hagiwara, "An extension of linear self-attention for in-context
+learning", arXiv:2503.23814 (2025).
+"""
+
+from elsa import constructions
+from elsa.attention import ElsaParams, elsa, elsa_layer, elsa_stack, lsa
+
+__all__ = ["ElsaParams", "constructions", "elsa", "elsa_layer", "elsa_stack",
+           "lsa"]
+__version__ = "0.1.0"
