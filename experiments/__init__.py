@@ -1,0 +1,1 @@
+"""absl drivers for elsa: sweep (the main job), train, newton, benchmark."""

@@ -1,0 +1,110 @@
+"""What every driver shares: the workdir contract, atomic writes, progress lines.
+
+A driver writes into ``--workdir``: ``config.json``, ``results.json`` and
+``figures/*.png``. Every write goes to a temporary file in the same folder and
+is renamed into place, so an interrupted run never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+from absl import logging
+import ml_collections
+
+
+def _atomic_write(path: str, write) -> None:
+  """Calls ``write(file)`` on a temporary file next to ``path``, then renames it."""
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+  try:
+    with os.fdopen(fd, "wb") as f:
+      write(f)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def write_json(path: str, obj: Any) -> None:
+  """Writes ``obj`` as indented JSON, atomically."""
+  data = json.dumps(obj, indent=2, sort_keys=True).encode()
+  _atomic_write(path, lambda f: f.write(data))
+
+
+def read_json(path: str) -> Any | None:
+  """The JSON in ``path``, or ``None`` when there is no such file."""
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def save_figure(fig, path: str) -> None:
+  """Saves a matplotlib figure as PNG, atomically, and closes it."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120,
+                                            bbox_inches="tight"))
+  plt.close(fig)
+
+
+def config_dict(config: ml_collections.ConfigDict) -> dict:
+  """The config as plain JSON types (what ``config.json`` holds)."""
+  return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def prepare_workdir(workdir: str, config: ml_collections.ConfigDict, *,
+                    overwrite: bool = False) -> None:
+  """Claims ``workdir`` for ``config``.
+
+  A fresh or matching workdir is fine (a rerun resumes or skips finished
+  work). A workdir that holds a different ``config.json`` is refused, unless
+  ``overwrite``, which deletes its results so nothing stale survives.
+
+  Raises:
+    ValueError: the workdir belongs to another config and ``overwrite`` is off.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "config.json")
+  wanted, found = config_dict(config), read_json(path)
+  if found is not None and found != wanted:
+    if not overwrite:
+      changed = sorted(k for k in set(found) | set(wanted)
+                       if found.get(k) != wanted.get(k))
+      raise ValueError(
+          f"workdir {workdir!r} holds results of a different config (fields "
+          f"that differ: {', '.join(changed)}). Use another --workdir, or pass "
+          "--overwrite to replace them.")
+    for name in os.listdir(workdir):
+      if name.startswith("results") or name.startswith("partial"):
+        os.remove(os.path.join(workdir, name))
+  write_json(path, wanted)
+
+
+class Progress:
+  """Logs ``done/total``, rate and ETA at most every ``every_s`` seconds."""
+
+  def __init__(self, total: int, *, name: str, unit: str = "items",
+               every_s: float = 5.0):
+    self.total, self.name, self.unit, self.every_s = total, name, unit, every_s
+    self.done = 0
+    self._start = self._last = time.perf_counter()
+
+  def update(self, count: int = 1) -> None:
+    self.done += count
+    now = time.perf_counter()
+    if now - self._last < self.every_s and self.done < self.total:
+      return
+    self._last = now
+    rate = self.done / max(now - self._start, 1e-9)
+    eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+    logging.info("%s: %d/%d %s, %.3g %s/s, ETA %.0f s", self.name, self.done,
+                 self.total, self.unit, rate, self.unit, eta)
