@@ -1,0 +1,250 @@
+"""The ELSA primitive against an independent float64 numpy implementation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import elsa
+from elsa import ElsaParams
+
+# float32 bound: the worst relative error (max abs error / max abs value)
+# measured over SHAPES with 20 seeds each was 3.0e-7 (BUILD_NOTES.md, "The
+# primitive"); asserted with a margin.
+F32_RTOL = 5e-6
+F64_RTOL = 1e-12
+
+
+def np_elsa(p, h, *, bias=True):
+  """Left-to-right numpy reference, through the [m, m] attention matrix."""
+  p = [np.asarray(a, np.float64) for a in p]
+  w1, w2, w3, b1, b2, b3 = p
+  if not bias:
+    b1, b2, b3 = 0.0, 0.0, 0.0
+  h = np.asarray(h, np.float64)
+  q, k, v = h @ w3 + b3, h @ w1 + b1, h @ w2 + b2
+  return (q @ np.swapaxes(k, -1, -2)) @ v
+
+
+def random_params(rng, m, n, k, v, dtype, lead=()):
+  shapes = dict(w1=(n, k), w2=(n, v), w3=(n, k), b1=(m, k), b2=(m, v),
+                b3=(m, k))
+  return ElsaParams(**{name: jnp.asarray(rng.normal(size=(*lead, *s)), dtype)
+                       for name, s in shapes.items()})
+
+
+def rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300)
+
+
+# (batch, m, n, k, v): k, v, n all different; m < n and m > n.
+SHAPES = [((), 9, 4, 3, 5), ((), 3, 7, 2, 5), ((2,), 11, 6, 4, 3),
+          ((2, 3), 5, 8, 6, 7), ((), 1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float64, F64_RTOL),
+                                        (jnp.float32, F32_RTOL)])
+@pytest.mark.parametrize("batch,m,n,k,v", SHAPES)
+def test_elsa_matches_numpy(batch, m, n, k, v, dtype, rtol):
+  rng = np.random.default_rng(abs(hash((batch, m, n, k, v))) % 2**32)
+  p = random_params(rng, m, n, k, v, dtype)
+  h = jnp.asarray(rng.normal(size=(*batch, m, n)), dtype)
+  want = np_elsa(p, h)
+  for fn in (elsa.elsa, jax.jit(elsa.elsa)):
+    got = fn(p, h)
+    assert got.shape == (*batch, m, v) and got.dtype == dtype
+    assert rel_err(got, want) < rtol
+  assert rel_err(elsa.lsa(p, h), np_elsa(p, h, bias=False)) < rtol
+
+
+def test_vmap_over_h_and_params():
+  rng = np.random.default_rng(1)
+  m, n, k, v = 6, 4, 3, 5
+  ps = random_params(rng, m, n, k, v, jnp.float64, lead=(3,))
+  hs = jnp.asarray(rng.normal(size=(3, m, n)))
+  got = jax.vmap(elsa.elsa)(ps, hs)
+  want = np.stack([np_elsa(ElsaParams(*(a[i] for a in ps)), hs[i])
+                   for i in range(3)])
+  assert rel_err(got, want) < F64_RTOL
+  # Params batched, h shared.
+  got = jax.jit(jax.vmap(elsa.elsa, in_axes=(0, None)))(ps, hs[0])
+  want = np.stack([np_elsa(ElsaParams(*(a[i] for a in ps)), hs[0])
+                   for i in range(3)])
+  assert rel_err(got, want) < F64_RTOL
+
+
+def test_grad_matches_finite_differences():
+  rng = np.random.default_rng(2)
+  m, n, k, v = 5, 4, 3, 2
+  p = random_params(rng, m, n, k, v, jnp.float64)
+  h = jnp.asarray(rng.normal(size=(m, n)))
+  weights = jnp.asarray(rng.normal(size=(m, v)))
+  f = lambda p, h: jnp.sum(jnp.sin(elsa.elsa(p, h)) * weights)
+  grad_p, grad_h = jax.grad(f, argnums=(0, 1))(p, h)
+  eps = 1e-6
+  # Central differences along random directions, for every leaf and for h.
+  for name in ElsaParams._fields + ("h",):
+    direction = jnp.asarray(rng.normal(size=(h if name == "h" else
+                                             getattr(p, name)).shape))
+    if name == "h":
+      fd = (f(p, h + eps * direction) - f(p, h - eps * direction)) / (2 * eps)
+      analytic = jnp.vdot(grad_h, direction)
+    else:
+      shift = lambda s: p._replace(**{name: getattr(p, name) + s * direction})
+      fd = (f(shift(eps), h) - f(shift(-eps), h)) / (2 * eps)
+      analytic = jnp.vdot(getattr(grad_p, name), direction)
+    assert abs(fd - analytic) <= 1e-7 * max(1.0, abs(analytic)), name
+
+
+def test_layer_and_stack_match_loops():
+  rng = np.random.default_rng(3)
+  L, C, m, n, k = 4, 3, 7, 5, 2
+  ps = random_params(rng, m, n, k, n, jnp.float64, lead=(L, C))
+  # Scale down so that four cubic layers stay O(1).
+  ps = jax.tree.map(lambda a: 0.3 * a, ps)
+  h = jnp.asarray(rng.normal(size=(2, m, n)))
+  states = [np.asarray(h)]
+  for layer in range(L):
+    comps = [ElsaParams(*(a[layer, c] for a in ps)) for c in range(C)]
+    states.append(sum(np_elsa(cp, states[-1]) for cp in comps))
+  one = ElsaParams(*(a[0] for a in ps))
+  assert rel_err(elsa.elsa_layer(one, h), states[1]) < F64_RTOL
+  assert rel_err(elsa.elsa_stack(ps, h), states[-1]) < 1e-11
+  all_states = jax.jit(elsa.elsa_stack, static_argnames="return_all")(
+      ps, h, return_all=True)
+  assert all_states.shape == (L + 1, 2, m, n)
+  for t in range(L + 1):
+    assert rel_err(all_states[t], states[t]) < 1e-11
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_lsa_is_homogeneous_cubic_and_elsa_without_bias_is_lsa(dtype):
+  rng = np.random.default_rng(4)
+  m, n, k, v = 6, 4, 3, 5
+  p = random_params(rng, m, n, k, v, dtype)
+  h = jnp.asarray(rng.normal(size=(m, n)), dtype)
+  tol = F64_RTOL if dtype == jnp.float64 else F32_RTOL
+  for c in (-2.0, 0.5, 3.0):
+    assert rel_err(elsa.lsa(p, c * h), c**3 * elsa.lsa(p, h)) < tol
+  assert np.all(np.asarray(elsa.lsa(p, 0 * h)) == 0)
+  zero_bias = p._replace(b1=0 * p.b1, b2=0 * p.b2, b3=0 * p.b3)
+  assert rel_err(elsa.elsa(zero_bias, h), elsa.lsa(p, h)) < tol
+  # With its biases, ELSA is not homogeneous: elsa(p, 0) is B3 B1^T B2.
+  assert rel_err(elsa.elsa(p, 0 * h), np.asarray(p.b3 @ p.b1.T @ p.b2)) < tol
+
+
+def test_never_forms_the_m_by_m_matrix():
+  m, n, k = 97, 5, 3  # m distinct from every other size
+  p = ElsaParams.zeros(m=m, n=n, k=k, lead=(2, 2), dtype=jnp.float32)
+  h = jnp.zeros((m, n), jnp.float32)
+  for fn, params in ((elsa.elsa, ElsaParams(*(a[0, 0] for a in p))),
+                     (elsa.lsa, ElsaParams(*(a[0, 0] for a in p))),
+                     (elsa.elsa_layer, ElsaParams(*(a[0] for a in p))),
+                     (elsa.elsa_stack, p)):
+    text = str(jax.make_jaxpr(fn)(params, h))
+    assert f"{m},{m}]" not in text.replace(" ", ""), fn.__name__
+    # And the compiled temporaries stay linear in m.
+    temp = jax.jit(fn).lower(params, h).compile().memory_analysis()
+    if temp is not None:
+      assert temp.temp_size_in_bytes < m * m * 4, fn.__name__
+
+
+def test_init_and_zeros():
+  p = ElsaParams.init(jax.random.key(0), m=5, n=4, k=3, v=2, lead=(2,))
+  assert (p.m, p.n, p.k, p.v) == (5, 4, 3, 2)
+  assert p.w1.shape == (2, 4, 3) and p.b2.shape == (2, 5, 2)
+  again = ElsaParams.init(jax.random.key(0), m=5, n=4, k=3, v=2, lead=(2,))
+  assert all(np.array_equal(a, b) for a, b in zip(p, again))
+  other = ElsaParams.init(jax.random.key(1), m=5, n=4, k=3, v=2, lead=(2,))
+  assert not np.array_equal(p.w1, other.w1)
+  z = ElsaParams.zeros(m=5, n=4, k=3, dtype=jnp.float64)
+  assert z.w2.shape == (4, 4) and z.w1.dtype == jnp.float64
+  assert not np.any(np.asarray(elsa.elsa(z, jnp.ones((5, 4)))))
+
+
+def _good(m=5, n=4, k=3, v=4, dtype=jnp.float32):
+  return (ElsaParams.init(jax.random.key(0), m=m, n=n, k=k, v=v, dtype=dtype),
+          jnp.ones((m, n), dtype))
+
+
+@pytest.mark.parametrize("mutate,error,pattern", [
+    (lambda p, h: (p, h[:-1]), ValueError, r"p.b1 must have shape \(4, 3\)"),
+    (lambda p, h: (p, h[:, :-1]), ValueError, r"p.w1 must have shape \(3, 3\)"),
+    (lambda p, h: (p._replace(w3=p.w3[:, :2]), h), ValueError,
+     r"p.w3 must have shape \(4, 3\).*got \(4, 2\)"),
+    (lambda p, h: (p._replace(b2=p.b2[:, :2]), h), ValueError,
+     r"p.b2 must have shape \(5, 4\)"),
+    (lambda p, h: (p, h[0]), ValueError, r"h must have shape \[..., m, n\]"),
+    (lambda p, h: (p._replace(w1=p.w1[None]), h), ValueError,
+     r"p.w1 must have rank 2"),
+    (lambda p, h: (p, h.astype(jnp.int32)), TypeError, "floating dtype"),
+    (lambda p, h: (p, h.astype(jnp.float64)), TypeError,
+     "p.w1 has dtype float32 but h has dtype float64"),
+    (lambda p, h: (tuple(p), h), TypeError, "must be an ElsaParams"),
+])
+def test_bad_input_raises_at_trace_time(mutate, error, pattern):
+  p, h = mutate(*_good())
+  with pytest.raises(error, match=pattern):
+    elsa.elsa(p, h)
+  with pytest.raises(error, match=pattern):
+    jax.jit(elsa.elsa)(p, h)
+
+
+def test_layer_and_stack_validation():
+  p, h = _good(v=4)
+  layer = ElsaParams(*(a[None] for a in p))
+  with pytest.raises(ValueError, match=r"p.w1 must have rank 3 \[C, rows, cols\]"):
+    elsa.elsa_layer(p, h)
+  with pytest.raises(ValueError, match=r"rank 4 \[L, C, rows, cols\]"):
+    elsa.elsa_stack(layer, h)
+  narrow = ElsaParams.init(jax.random.key(0), m=5, n=4, k=3, v=2, lead=(1, 1))
+  with pytest.raises(ValueError, match=r"v == n == 4.*\(1, 1, 4, 2\)"):
+    elsa.elsa_stack(narrow, h)
+  mixed = layer._replace(b3=jnp.concatenate([layer.b3, layer.b3]))
+  with pytest.raises(ValueError, match=r"p.b3 must have shape \(1, 5, 3\)"):
+    elsa.elsa_layer(mixed, h)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 9), n=st.integers(1, 6), k=st.integers(1, 5),
+       v=st.integers(1, 6), batch=st.lists(st.integers(1, 3), max_size=2),
+       seed=st.integers(0, 2**31 - 1),
+       scale=st.floats(1e-3, 1e3))
+def test_property_matches_numpy_over_shapes_and_scales(m, n, k, v, batch, seed,
+                                                       scale):
+  rng = np.random.default_rng(seed)
+  p = random_params(rng, m, n, k, v, jnp.float64)
+  h = jnp.asarray(scale * rng.normal(size=(*batch, m, n)))
+  got = elsa.elsa(p, h)
+  assert got.shape == (*batch, m, v)
+  want = np_elsa(p, h)
+  # Cancellation in sums of products: bound relative to the magnitude of the
+  # terms, not of the (possibly tiny) result.
+  terms = np_elsa([np.abs(np.asarray(a)) for a in p], np.abs(np.asarray(h)))
+  assert np.all(np.abs(np.asarray(got) - want) <= 1e-12 * (terms + 1e-300))
+
+
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 8), n=st.integers(1, 5),
+       c=st.floats(-10, 10).filter(lambda c: abs(c) > 1e-3),
+       seed=st.integers(0, 2**31 - 1))
+def test_property_lsa_homogeneity(m, n, c, seed):
+  rng = np.random.default_rng(seed)
+  p = random_params(rng, m, n, 3, n, jnp.float64)
+  h = jnp.asarray(rng.normal(size=(m, n)))
+  terms = np_elsa([np.abs(np.asarray(a)) for a in p], np.abs(np.asarray(h)),
+                  bias=False)
+  err = np.abs(np.asarray(elsa.lsa(p, c * h)) - c**3 * np.asarray(elsa.lsa(p, h)))
+  assert np.all(err <= 1e-12 * abs(c)**3 * (terms + 1e-300))
+
+
+def test_bfloat16_stays_bfloat16():
+  p, h = _good(dtype=jnp.bfloat16)
+  assert elsa.elsa(p, h).dtype == jnp.bfloat16
+  assert elsa.elsa_stack(ElsaParams(*(a[None, None] for a in
+                                       ElsaParams.init(jax.random.key(1), m=5,
+                                                       n=4, k=2, v=4,
+                                                       dtype=jnp.bfloat16))),
+                         h).dtype == jnp.bfloat16
