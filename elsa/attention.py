@@ -139,9 +139,16 @@ def _attend(q: Array, k: Array, v: Array, precision) -> Array:
 
 
 def _elsa(p: ElsaParams, h: Array, precision) -> Array:
+  """``(h W3 + B3) S`` as ``h (W3 S) + B3 S`` with ``S = K^T V``.
+
+  The re-association never materialises ``Q = h W3 + B3``: one fewer
+  ``[m, k]`` array written and read again (and one fewer elementwise pass),
+  the same FLOPs up to the ``[n, k] @ [k, v]`` product ``W3 S``.
+  """
   mm = lambda a, b: jnp.matmul(a, b, precision=precision)
-  return _attend(mm(h, p.w3) + p.b3, mm(h, p.w1) + p.b1,
-                 mm(h, p.w2) + p.b2, precision)
+  kv = jnp.einsum("...mk,...mv->...kv", mm(h, p.w1) + p.b1,
+                  mm(h, p.w2) + p.b2, precision=precision)
+  return mm(h, mm(p.w3, kv)) + mm(p.b3, kv)
 
 
 def elsa(p: ElsaParams, h: Array, *, precision=None) -> Array:
