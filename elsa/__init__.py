@@ -4,9 +4,9 @@ Reference: Hagiwara, "An extension of linear self-attention for in-context
 learning", arXiv:2503.23814 (2025).
 """
 
-from elsa import constructions
+from elsa import constructions, forms, ridge
 from elsa.attention import ElsaParams, elsa, elsa_layer, elsa_stack, lsa
 
 __all__ = ["ElsaParams", "constructions", "elsa", "elsa_layer", "elsa_stack",
-           "lsa"]
+           "forms", "lsa", "ridge"]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ ELSA constructions are checked against.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -59,6 +60,8 @@ def loss(w: Array, x: Array, y: Array, *, lam) -> Array:
           + 0.5 * jnp.asarray(lam, x.dtype) * jnp.sum(w2**2, axis=(-2, -1)))
 
 
+# Jitted so that eager calls compile once per shape instead of once per op.
+@functools.partial(jax.jit, static_argnames=("steps",))
 def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
        ) -> Array:
   """All iterates of batch gradient descent on :func:`loss`.
@@ -75,14 +78,24 @@ def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
     ``[steps + 1, ..., d(, k)]``: ``w_0, w_1, ..., w_steps``.
   """
   _check_xy("gd", x, y)
-  if steps < 0:
-    raise ValueError(f"gd: steps must be >= 0, got {steps}.")
-  etas = jnp.broadcast_to(jnp.asarray(eta, x.dtype), (steps,))
+  if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+    raise ValueError(f"gd: steps must be an int >= 0, got {steps!r}.")
+  eta = jnp.asarray(eta, x.dtype)
+  if eta.shape not in ((), (steps,)):
+    raise ValueError(f"gd: eta must be a scalar or a schedule of shape "
+                     f"({steps},) for steps={steps}, got shape {eta.shape}.")
+  etas = jnp.broadcast_to(eta, (steps,))
   a, b = normal_equations(x, y, lam=lam)
   vector = jnp.ndim(y) == jnp.ndim(x) - 1
   bm = b[..., None] if vector else b
-  w = jnp.zeros_like(bm) if w0 is None else jnp.broadcast_to(
-      w0[..., None] if vector else w0, bm.shape).astype(x.dtype)
+  if w0 is not None:
+    w0 = jnp.asarray(w0)
+    try:
+      w0 = jnp.broadcast_to(w0[..., None] if vector else w0, bm.shape)
+    except ValueError:
+      raise ValueError(f"gd: w0 must broadcast to {b.shape}, got shape "
+                       f"{w0.shape}.") from None
+  w = jnp.zeros_like(bm) if w0 is None else w0.astype(x.dtype)
 
   def step(w, eta_t):
     # a @ w - b is the gradient of the ridge objective.
@@ -131,6 +144,8 @@ class Task(NamedTuple):
   w_true: Array
 
 
+@functools.partial(jax.jit, static_argnames=(
+    "batch", "n_train", "d", "n_query", "n_out", "dtype"))
 def sample_tasks(key: Array, *, batch: int, n_train: int, d: int,
                  n_query: int = 1, n_out: int | None = None,
                  noise: float = 0.0, x_scale: float = 1.0, w_scale: float = 1.0,

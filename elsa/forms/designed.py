@@ -1,0 +1,79 @@
+r"""The Designed input form: one ELSA layer of two components per GD step, any start w0.
+
+Layout (see :mod:`elsa.forms._base`): rows ``[N examples | Q queries | d
+w-rows]``, columns ``[x (d) | y (k) | z (d) | p (k)]``. The initial state holds
+``w0`` and every prediction ``x^T w0``; queries sit in the ``z`` columns from
+the start, so they never enter the gradient's key/value sum.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from elsa.attention import Array, ElsaParams
+from elsa.forms._base import GDForm, _jitted
+
+
+class Designed(GDForm):
+  r"""GD on ridge regression, one step per layer, from any ``w0``.
+
+  ``elsa_stack(form.gd_params(lam=lam, eta=eta, depth=L), form.encode(x, y,
+  x_query=xq, w0=w0), return_all=True)`` holds ``w_t`` of
+  :func:`elsa.ridge.gd` (same ``w0``) in state ``t`` for ``t = 0..L``.
+
+  Args:
+    n_train: examples per task ``N``.
+    d: input dimension.
+    n_query: query tokens ``Q`` (may be 0).
+    n_out: target columns ``k`` (1: scalar targets, see :class:`GDForm`).
+
+  Example:
+    >>> form = Designed(n_train=8, d=3, n_query=2)
+    >>> form.m, form.n
+    (13, 8)
+  """
+
+  def encode(self, x, y, *, x_query=None, w0=None) -> Array:
+    """The initial state ``[..., m, n]``.
+
+    Args:
+      x: ``[..., N, d]``, floating; its dtype is the state's dtype.
+      y: ``[..., N]`` (``n_out == 1``) or ``[..., N, k]``.
+      x_query: ``[..., Q, d]``; may be ``None`` when ``Q == 0``. Leading axes
+        broadcast to those of ``x``.
+      w0: start ``[..., d]`` (``n_out == 1``) or ``[..., d, k]``; zero if
+        ``None``. Leading axes broadcast.
+
+    Raises:
+      ValueError: a shape does not match the form (the message names it).
+      TypeError: ``y``, ``x_query`` or ``w0`` has a dtype other than ``x``'s.
+    """
+    x, y, x_query, w0 = self._check_inputs(x, y, x_query, w0)
+    if w0 is None:
+      w0 = jnp.zeros((*x.shape[:-2], self.d, self.n_out), x.dtype)
+    return _jitted(self, "_initial_state", x, y, x_query, w0)
+
+  def _initial_state(self, x, y, x_query, w0) -> Array:
+    return self._assemble(
+        x_cols_ex=x, y_ex=y, p_ex=x @ w0,
+        x_cols_q=jnp.zeros_like(x_query), z_q=x_query, p_q=x_query @ w0,
+        p_w=w0)
+
+  def gd_params(self, *, lam, eta, depth: int, dtype=None) -> ElsaParams:
+    r"""``depth`` GD layers: leaves ``[depth, 2, ...]`` for :func:`elsa.elsa_stack`.
+
+    Layer ``t`` (1-based) performs :math:`w_t = (1 - \eta_t\lambda) w_{t-1} -
+    \frac{\eta_t}{N} X^\top (X w_{t-1} - y)` with two components: the decayed
+    skip and the gradient head (see :mod:`elsa.forms._base`).
+
+    Args:
+      lam: ridge strength, a scalar; may be a traced array.
+      eta: step size, a scalar or a schedule ``[depth]``; may be traced.
+      depth: number of layers ``L >= 1`` (static).
+      dtype: dtype of every leaf; it must equal the state's dtype. Default:
+        the dtype of ``lam``/``eta`` if either is an array, else float32.
+    """
+    return self._params(lam=lam, eta=eta, depth=depth, dtype=dtype)
+
+  def _gd_stack(self, lam, etas) -> ElsaParams:
+    return self.gd_layers(lam=lam, etas=etas)

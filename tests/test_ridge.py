@@ -1,0 +1,124 @@
+"""Ridge references against plain numpy: loss, gd, solve, stability limit, tasks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elsa import ridge
+
+RTOL = 1e-12
+
+
+def rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300)
+
+
+def np_gd(x, y, lam, etas, w0=None):
+  """One task at a time: w <- (1 - eta lam) w - (eta/N) X^T (X w - y)."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  n = x.shape[0]
+  w = np.zeros((x.shape[1], *y.shape[1:])) if w0 is None else np.array(w0)
+  out = [w.copy()]
+  for eta in etas:
+    w = (1 - eta * lam) * w - eta / n * x.T @ (x @ w - y)
+    out.append(w.copy())
+  return np.stack(out)
+
+
+def np_solve(x, y, lam):
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  n, d = x.shape
+  if lam == 0:
+    return np.linalg.pinv(x) @ y  # the minimum-norm least-squares solution
+  return np.linalg.solve(x.T @ x / n + lam * np.eye(d), x.T @ y / n)
+
+
+# (N, d, n_out): N > d, N < d, multi-output.
+SHAPES = [(9, 4, None), (3, 5, None), (7, 3, 2)]
+
+
+@pytest.mark.parametrize("n_train,d,n_out", SHAPES)
+@pytest.mark.parametrize("lam", [0.0, 0.4])
+def test_gd_loss_solve_match_numpy(n_train, d, n_out, lam):
+  t = ridge.sample_tasks(jax.random.key(n_train), batch=2, n_train=n_train,
+                         d=d, n_out=n_out, noise=0.1, dtype=jnp.float64)
+  steps = 7
+  etas = np.random.default_rng(d).uniform(0.05, 0.3, steps)
+  for eta in (0.2, etas):
+    ws = ridge.gd(t.x, t.y, lam=lam, eta=jnp.asarray(eta), steps=steps)
+    assert ws.shape == (steps + 1, 2, d, *(() if n_out is None else (n_out,)))
+    for b in range(2):
+      want = np_gd(t.x[b], t.y[b], lam, np.broadcast_to(eta, (steps,)))
+      assert rel_err(ws[:, b], want) < RTOL
+  w = ridge.solve(t.x, t.y, lam=lam)
+  for b in range(2):
+    assert rel_err(w[b], np_solve(t.x[b], t.y[b], lam)) < 1e-9
+    xb, yb = np.asarray(t.x[b]), np.asarray(t.y[b])
+    res = yb - xb @ np.asarray(w[b])
+    want_loss = (0.5 * np.sum(res**2) / n_train
+                 + 0.5 * lam * np.sum(np.asarray(w[b])**2))
+    assert abs(ridge.loss(w[b], t.x[b], t.y[b], lam=lam) - want_loss) < 1e-12
+  a, rhs = ridge.normal_equations(t.x, t.y, lam=lam)
+  assert rel_err(a[0], t.x[0].T @ t.x[0] / n_train + lam * np.eye(d)) < RTOL
+  assert rel_err(rhs[1], t.x[1].T @ t.y[1] / n_train) < RTOL
+
+
+def test_gd_from_w0_and_jit():
+  t = ridge.sample_tasks(jax.random.key(3), batch=2, n_train=6, d=3, n_out=2,
+                         dtype=jnp.float64)
+  w0 = jax.random.normal(jax.random.key(4), (2, 3, 2), jnp.float64)
+  ws = jax.jit(lambda lam, eta: ridge.gd(t.x, t.y, lam=lam, eta=eta, steps=5,
+                                         w0=w0))(0.1, 0.25)
+  for b in range(2):
+    assert rel_err(ws[:, b], np_gd(t.x[b], t.y[b], 0.1, [0.25] * 5, w0[b])) < RTOL
+
+
+def test_stability_limit_separates_convergence_from_divergence():
+  t = ridge.sample_tasks(jax.random.key(5), batch=1, n_train=10, d=3,
+                         dtype=jnp.float64)
+  lam = 0.2
+  limit = float(ridge.stability_limit(t.x, lam=lam)[0])
+  gram = np.asarray(t.x[0]).T @ np.asarray(t.x[0]) / 10
+  assert abs(limit - 2 / (np.linalg.eigvalsh(gram)[-1] + lam)) < 1e-12
+  w_star = ridge.solve(t.x, t.y, lam=lam)
+  err = lambda eta: np.linalg.norm(
+      ridge.gd(t.x, t.y, lam=lam, eta=eta, steps=300)[-1] - w_star)
+  assert err(0.95 * limit) < 1e-6
+  assert err(1.05 * limit) > 1e3
+
+
+def test_sample_tasks_determinism_and_shapes():
+  kw = dict(batch=3, n_train=5, d=4, n_query=2, dtype=jnp.float32)
+  a = ridge.sample_tasks(jax.random.key(0), **kw)
+  b = ridge.sample_tasks(jax.random.key(0), **kw)
+  c = ridge.sample_tasks(jax.random.key(1), **kw)
+  for fa, fb, fc in zip(a, b, c):
+    np.testing.assert_array_equal(fa, fb)
+    assert fa.dtype == jnp.float32
+    assert not np.array_equal(fa, fc)
+  assert a.x.shape == (3, 5, 4) and a.y.shape == (3, 5)
+  assert a.x_query.shape == (3, 2, 4) and a.w_true.shape == (3, 4)
+  # noise = 0: labels are exactly linear in x.
+  np.testing.assert_allclose(a.y, jnp.einsum("bnd,bd->bn", a.x, a.w_true),
+                             rtol=1e-5, atol=1e-5)
+  m = ridge.sample_tasks(jax.random.key(0), batch=2, n_train=5, d=4,
+                         n_query=0, n_out=3, dtype=jnp.float64)
+  assert m.y.shape == (2, 5, 3) and m.x_query.shape == (2, 0, 4)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, y: ridge.gd(x, y[:, :-1], lam=0.1, eta=0.1, steps=2), "y"),
+    (lambda x, y: ridge.gd(x[0, 0], y, lam=0.1, eta=0.1, steps=2), "x"),
+    (lambda x, y: ridge.gd(x, y, lam=0.1, eta=jnp.ones(3), steps=2), "eta"),
+    (lambda x, y: ridge.gd(x, y, lam=0.1, eta=0.1, steps=-1), "steps"),
+    (lambda x, y: ridge.gd(x, y, lam=0.1, eta=0.1, steps=2,
+                           w0=jnp.ones(5)), "w0"),
+    (lambda x, y: ridge.loss(jnp.ones(3), x, y[..., None, None], lam=0.1), "y"),
+    (lambda x, y: ridge.stability_limit(x[0, 0], lam=0.1), "x"),
+])
+def test_bad_arguments_raise(call, match):
+  x, y = jnp.ones((2, 4, 3)), jnp.ones((2, 4))
+  with pytest.raises(ValueError, match=match):
+    call(x, y)
