@@ -12,5 +12,6 @@ Both share the API of :class:`GDForm`: ``m``, ``n``, ``encode``,
 from elsa.forms._base import GDForm
 from elsa.forms.designed import Designed
 from elsa.forms.natural import Natural
+from elsa.forms.newton import Newton
 
-__all__ = ["Designed", "GDForm", "Natural"]
+__all__ = ["Designed", "GDForm", "Natural", "Newton"]

@@ -1,0 +1,384 @@
+r"""Newton–Schulz ridge regression compiled into an ELSA stack, from naturally enumerated tokens.
+
+Ridge regression asks for :math:`w^* = A^{-1} b` with
+
+.. math::
+  A = X^\top X / N + \lambda I, \qquad b = X^\top y / N .
+
+One ELSA component forms a product of three matrices held in its input, which
+is exactly what the Newton–Schulz iteration needs:
+
+.. math::
+  M_{t+1} = M_t (2I - A M_t) = 2 M_t - M_t A M_t, \qquad M_0 = \alpha I,
+  \qquad w_t = M_t b .
+
+Since :math:`I - A M_{t+1} = (I - A M_t)^2`, induction gives
+:math:`I - A M_t = (I - \alpha A)^{2^t}`, and gradient descent from zero with
+step :math:`\alpha` has :math:`w^{GD}_s = A^{-1}(I - (I - \alpha A)^s) b`. So
+Newton–Schulz step ``t`` *is* GD step ``2^t``: each layer doubles the number
+of GD steps done, and ``O(log(kappa log(1/eps)))`` layers reach the solution
+where GD needs ``O(kappa log(1/eps))``.
+
+Layout, ``m = N + Q + d`` tokens by ``n = 3d + 2k`` features (``N`` examples,
+``Q`` queries, ``k = n_out``), as encoded (left of the arrow) and after the
+set-up, before Newton step ``t`` (right):
+
+=================  ===========  ========  ========  ================  ==============
+rows \ columns     x (d)        y (k)     a (d)     mcol (d)          w (k)
+=================  ===========  ========  ========  ================  ==============
+example i  (N)     x_i          y_i       0         0                 0
+query q    (Q)     x_q -> 0     0         0         0 -> x_q^T M_t    0 -> x_q^T w_t
+M-row j    (d)     0            0         0 -> A_j  0 -> (M_t)_j      0 -> (w_t)_j
+=================  ===========  ========  ========  ================  ==============
+
+The encoded tokens are the natural ones: ``(x_i, y_i)`` and ``(x_q, 0)`` in
+the same columns, in arrival order, everything else zero. The two set-up
+layers and the Newton layer are derived term by term in BUILD_NOTES.md
+("Newton–Schulz from natural tokens") and in the builders below.
+
+Reference: Hagiwara, "An extension of linear self-attention for in-context
+learning", arXiv:2503.23814 (2025).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from elsa import constructions
+from elsa.attention import Array, ElsaParams
+from elsa.forms._base import GDForm
+
+
+def safe_alpha(x: Array, *, lam) -> Array:
+  r"""A convergent Newton–Schulz (and GD) step :math:`\alpha = 1 / \|A\|_F`, ``[...]``.
+
+  Convergence needs :math:`0 < \alpha < 2 / \lambda_{max}(A)`. The Frobenius
+  norm bounds the top eigenvalue from both sides,
+  :math:`\lambda_{max} \le \|A\|_F \le \sqrt{d}\, \lambda_{max}`, so
+  :math:`\alpha \lambda_{max} \in [d^{-1/2}, 1]`: always safe, and at most
+  :math:`\tfrac12 \log_2 d` layers slower than :math:`\alpha = 1/\lambda_{max}`.
+  Computed without an eigendecomposition from :math:`G = X^\top X / N`:
+  :math:`\|A\|_F^2 = \|G\|_F^2 + 2\lambda\,\mathrm{tr}\,G + d\lambda^2`.
+
+  When the extreme eigenvalues are known, :math:`\alpha = 2/(\mu_{min} +
+  \mu_{max})` of ``A`` is the fastest constant choice (about one layer fewer
+  than ``1/mu_max``).
+
+  Args:
+    x: examples ``[..., N, d]``.
+    lam: ridge strength, a scalar (may be traced).
+
+  Returns:
+    ``[...]``, in the dtype of ``x``.
+  """
+  if jnp.ndim(x) < 2:
+    raise ValueError(f"safe_alpha: x must have shape [..., N, d], got "
+                     f"{jnp.shape(x)}.")
+  n_train, d = jnp.shape(x)[-2:]
+  gram = jnp.swapaxes(x, -1, -2) @ x / n_train
+  lam = jnp.asarray(lam, x.dtype)
+  trace = jnp.trace(gram, axis1=-2, axis2=-1)
+  frob2 = jnp.sum(gram**2, axis=(-2, -1)) + 2 * lam * trace + d * lam**2
+  return 1 / jnp.sqrt(frob2)
+
+
+class Newton:
+  r"""Ridge regression by Newton–Schulz in an ELSA stack, from the natural tokens.
+
+  ``form.decode_w(elsa_stack(form.newton_params(lam=lam, alpha=alpha,
+  depth=T), form.encode(x, y, x_query=xq), return_all=True))[2 + t] ==
+  elsa.ridge.gd(x, y, lam=lam, eta=alpha, steps=2**t)[-1]`` for ``t = 0..T``.
+
+  Args:
+    n_train: examples per task ``N``.
+    d: input dimension.
+    n_query: query tokens ``Q`` (may be 0).
+    n_out: target columns ``k``. With ``k == 1`` ``encode`` takes ``y`` as
+      ``[..., N]`` (or ``[..., N, 1]``) and the decoders return ``[..., d]``,
+      ``[..., Q]``; with ``k > 1`` ``[..., d, k]``, ``[..., Q, k]``.
+
+  Attributes:
+    m, n: token count ``N + Q + d`` and feature count ``3d + 2k``.
+    setup_layers: 2, the layers that build ``A``, ``b`` and ``M_0``.
+    example_rows, query_rows, m_rows; x_cols, y_cols, a_cols, mcol_cols,
+    w_cols: the blocks of the layout table (python ``range`` objects).
+
+  Example:
+    >>> form = Newton(n_train=8, d=3, n_query=2)
+    >>> (form.m, form.n, form.setup_layers)
+    (13, 11, 2)
+  """
+
+  setup_layers = 2
+
+  def __init__(self, *, n_train: int, d: int, n_query: int = 1,
+               n_out: int = 1):
+    for arg, value, low in (("n_train", n_train, 1), ("d", d, 1),
+                            ("n_query", n_query, 0), ("n_out", n_out, 1)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"Newton: {arg} must be an int >= {low}, got "
+                         f"{value!r}.")
+    self.n_train, self.d, self.n_query, self.n_out = n_train, d, n_query, n_out
+    N, Q, k = n_train, n_query, n_out
+    self.example_rows = range(0, N)
+    self.query_rows = range(N, N + Q)
+    self.m_rows = range(N + Q, N + Q + d)
+    self.x_cols = range(0, d)
+    self.y_cols = range(d, d + k)
+    self.a_cols = range(d + k, 2 * d + k)
+    self.mcol_cols = range(2 * d + k, 3 * d + k)
+    self.w_cols = range(3 * d + k, 3 * d + 2 * k)
+
+  def __repr__(self) -> str:
+    return (f"Newton(n_train={self.n_train}, d={self.d}, "
+            f"n_query={self.n_query}, n_out={self.n_out})")
+
+  @property
+  def m(self) -> int:
+    """Token count of a state, ``N + Q + d``."""
+    return self.n_train + self.n_query + self.d
+
+  @property
+  def n(self) -> int:
+    """Feature count of a state, ``3d + 2k``."""
+    return 3 * self.d + 2 * self.n_out
+
+  safe_alpha = staticmethod(safe_alpha)
+
+  # --- encoding and decoding ------------------------------------------------
+
+  def encode(self, x: Array, y: Array, *, x_query: Array | None = None
+             ) -> Array:
+    """The naturally enumerated tokens ``[..., m, n]`` (table in the module doc).
+
+    Args:
+      x: examples ``[..., N, d]``, floating; its dtype is the state's dtype.
+      y: targets ``[..., N]`` (``n_out == 1``) or ``[..., N, k]``.
+      x_query: queries ``[..., Q, d]`` (leading axes broadcast to ``x``'s);
+        may be ``None`` when ``Q == 0``.
+
+    Raises:
+      ValueError: a shape does not match.
+      TypeError: ``x`` is not floating, or ``y``/``x_query`` has another dtype.
+    """
+    # Same validation (and messages) as the GD forms; it reads only the sizes.
+    x, y, x_query, _ = GDForm._check_inputs(self, x, y, x_query, None)
+    zeros = lambda rows, cols: jnp.zeros((*x.shape[:-2], rows, cols), x.dtype)
+    tokens = jnp.concatenate(
+        [jnp.concatenate([x, y], axis=-1),
+         jnp.concatenate([x_query, zeros(self.n_query, self.n_out)], axis=-1),
+         zeros(self.d, self.d + self.n_out)], axis=-2)
+    return jnp.concatenate([tokens, zeros(self.m, self.n - self.d - self.n_out)],
+                           axis=-1)
+
+  def _block(self, h: Array, rows: range, cols: range, fn: str) -> Array:
+    h = jnp.asarray(h)
+    if h.ndim < 2 or h.shape[-2:] != (self.m, self.n):
+      raise ValueError(f"Newton.{fn}: h must have shape [..., m={self.m}, "
+                       f"n={self.n}], got {h.shape}.")
+    return h[..., rows.start:rows.stop, cols.start:cols.stop]
+
+  def _out(self, block: Array) -> Array:
+    return block[..., 0] if self.n_out == 1 else block
+
+  def decode_w(self, h: Array) -> Array:
+    """``w_t = M_t b`` from the M rows: ``[..., m, n] -> [..., d(, k)]``.
+
+    Works on any leading axes, e.g. all states ``[L + 1, ..., m, n]`` of
+    ``elsa_stack(..., return_all=True)``.
+    """
+    return self._out(self._block(h, self.m_rows, self.w_cols, "decode_w"))
+
+  def decode_pred(self, h: Array) -> Array:
+    """Query predictions ``x_q^T w_t``: ``[..., m, n] -> [..., Q(, k)]``."""
+    return self._out(self._block(h, self.query_rows, self.w_cols,
+                                 "decode_pred"))
+
+  def decode_inverse(self, h: Array) -> Array:
+    """``M_t``, the running approximation of ``A^{-1}``: ``[..., d, d]``."""
+    return self._block(h, self.m_rows, self.mcol_cols, "decode_inverse")
+
+  def decode_gram(self, h: Array) -> Array:
+    """``A = X^T X / N + lam I`` as the set-up built it: ``[..., d, d]``."""
+    return self._block(h, self.m_rows, self.a_cols, "decode_gram")
+
+  # --- parameters -----------------------------------------------------------
+
+  def _unit(self, rows: range, cols: range, *, shape, dtype) -> Array:
+    """``[shape]`` zeros with a one at ``(rows[j], cols[j])``."""
+    rows = jnp.asarray(list(rows), jnp.int32)
+    cols = jnp.asarray(list(cols), jnp.int32)
+    return jnp.zeros(shape, dtype).at[rows, cols].set(1)
+
+  def move_queries(self, *, alpha) -> ElsaParams:
+    """Set-up layer 1, with the skip: on query rows, ``x -> 0`` and ``alpha x -> mcol``.
+
+    :func:`elsa.constructions.rows_linear` over the query rows with
+    ``Q = alpha E(x -> mcol) - E(x -> x)`` (the term ``B3 B1^T (h W2)``,
+    ``B3 = B1`` the query-row selector). The query rows then hold
+    ``u_q = x_q^T M_0 = alpha x_q^T``, and their x columns are empty so the
+    Gram sum of layer 2 runs over the examples only.
+    """
+    n, dtype = self.n, alpha.dtype
+    q = (alpha * self._unit(self.x_cols, self.mcol_cols, shape=(n, n),
+                            dtype=dtype)
+         - self._unit(self.x_cols, self.x_cols, shape=(n, n), dtype=dtype))
+    return constructions.rows_linear(self.query_rows, q, m=self.m)
+
+  def gram_head(self, *, lam, alpha) -> ElsaParams:
+    """Set-up layer 2: M rows get ``[A | alpha I]`` in columns ``[a | mcol]``. One component.
+
+    ``Q = B3`` (``e_j`` on M row ``j``), ``K = h W1 + B1`` (x columns, plus
+    ``e_j`` on M row ``j``), ``V = h W2 + B2`` (``x / N`` into a, plus
+    ``[lam e_j | alpha e_j]`` in ``[a | mcol]`` on M row ``j``), so
+
+    ``K^T V = X^T X / N + B1^T B2 + W1^T h^T B2 + B1^T h W2 = [A | alpha I]``:
+
+    the two cross terms vanish because ``B1, B2`` live on the M rows, where
+    ``h`` is still zero, and after layer 1 the queries hold nothing in x.
+    """
+    d, m, n, dtype = self.d, self.m, self.n, lam.dtype
+    inner = range(d)
+    on_m_rows = self._unit(self.m_rows, inner, shape=(m, d), dtype=dtype)
+    b2 = (lam * self._unit(self.m_rows, self.a_cols, shape=(m, n), dtype=dtype)
+          + alpha * self._unit(self.m_rows, self.mcol_cols, shape=(m, n),
+                               dtype=dtype))
+    p = ElsaParams.zeros(m=m, n=n, k=d, dtype=dtype)
+    return p._replace(
+        w1=self._unit(self.x_cols, inner, shape=(n, d), dtype=dtype),
+        b1=on_m_rows, b3=on_m_rows, b2=b2,
+        w2=self._unit(self.x_cols, self.a_cols, shape=(n, n),
+                      dtype=dtype) / self.n_train)
+
+  def alpha_b_head(self, *, alpha) -> ElsaParams:
+    """Set-up layer 2: ``w_0 = alpha b`` on M rows, ``p_q = alpha x_q^T b`` on queries. One component.
+
+    ``Q = h W3 + B3`` (mcol columns, which hold ``alpha x_q`` on query rows
+    and zero elsewhere, plus ``alpha e_j`` on M row ``j``), ``K = h W1`` (x
+    columns: only the examples), ``V = h W2`` (``y / N`` into w), so
+    ``K^T V = X^T y / N = b``; example rows have ``Q = 0``.
+    """
+    d, m, n, dtype = self.d, self.m, self.n, alpha.dtype
+    inner = range(d)
+    p = ElsaParams.zeros(m=m, n=n, k=d, dtype=dtype)
+    return p._replace(
+        w3=self._unit(self.mcol_cols, inner, shape=(n, d), dtype=dtype),
+        b3=alpha * self._unit(self.m_rows, inner, shape=(m, d), dtype=dtype),
+        w1=self._unit(self.x_cols, inner, shape=(n, d), dtype=dtype),
+        w2=self._unit(self.y_cols, self.w_cols, shape=(n, n),
+                      dtype=dtype) / self.n_train)
+
+  def newton_skip(self, *, dtype) -> ElsaParams:
+    """``h -> h diag(s)``: ``s = 2`` on mcol, 1 elsewhere. One component."""
+    scale = jnp.ones((self.n,), dtype)
+    scale = scale.at[self.mcol_cols.start:self.mcol_cols.stop].set(2)
+    return constructions.linear(None, jnp.diag(scale), m=self.m)
+
+  def newton_correction(self, *, dtype) -> ElsaParams:
+    """``-q A [M_t | w_t]`` into ``[mcol | w]`` of every row ``q`` of the mcol block. One component.
+
+    :func:`elsa.constructions.product3` with ``A_ = h[:, mcol]`` (``M_t`` on M
+    rows, ``u_q = x_q^T M_t`` on queries, zero on examples), ``B = h[:, a]``
+    and ``C = h[:, mcol | w]``, scale -1. ``B`` is nonzero on the M rows only,
+    so the key sum ``B^T C = A^T [M_t | w_t] = A [M_t | w_t]`` (``A``
+    symmetric) sees neither queries nor examples.
+    """
+    cols = [*self.mcol_cols, *self.w_cols]
+    return constructions.product3(m=self.m, n=self.n, a_cols=self.mcol_cols,
+                                  b_cols=self.a_cols, c_cols=cols,
+                                  out_cols=cols, scale=-1.0, dtype=dtype)
+
+  def fresh_mb(self, *, dtype) -> ElsaParams:
+    """``q b`` into the w columns, ``b`` re-read from the examples. One component.
+
+    :func:`elsa.constructions.product3` with ``A_ = h[:, mcol]``,
+    ``B = h[:, x]`` (only the examples: the queries left x in layer 1),
+    ``C = h[:, y]`` into w, scale ``1/N``: ``B^T C = X^T y / N = b``.
+    """
+    return constructions.product3(m=self.m, n=self.n, a_cols=self.mcol_cols,
+                                  b_cols=self.x_cols, c_cols=self.y_cols,
+                                  out_cols=self.w_cols,
+                                  scale=1.0 / self.n_train, dtype=dtype)
+
+  def setup_params(self, *, lam, alpha, dtype=None) -> ElsaParams:
+    """The two set-up layers, leaves ``[2, C, ...]`` (arguments as :meth:`newton_params`)."""
+    lam, alpha = self._scalars(lam=lam, alpha=alpha, dtype=dtype,
+                               fn="setup_params")
+    skip = constructions.identity(self.m, self.n, dtype=lam.dtype)
+    first = [skip] + ([self.move_queries(alpha=alpha)] if self.n_query else [])
+    return constructions.stack(
+        constructions.layer(*first),
+        constructions.layer(skip, self.gram_head(lam=lam, alpha=alpha),
+                            self.alpha_b_head(alpha=alpha)))
+
+  def newton_layer(self, *, dtype=jnp.float32) -> ElsaParams:
+    r"""One Newton–Schulz step, leaves ``[3, ...]``; it does not depend on lam or alpha.
+
+    Skip + correction + fresh ``M b`` give, on M rows and on query rows,
+
+    .. math::
+      M_{t+1} = 2M_t - M_t A M_t, \quad w_{t+1} = w_t + M_t (b - A w_t),
+      \quad u_{t+1} = 2u_t - u_t A M_t, \quad p_{t+1} = p_t + u_t (b - A w_t),
+
+    and nothing on example rows (their mcol is zero). If ``w_t = M_t b`` then
+    ``w_{t+1} = (2M_t - M_t A M_t) b = M_{t+1} b`` and ``p_{t+1} = x_q^T
+    w_{t+1}``. The w update is iterative refinement with the approximate
+    inverse ``M_t``: an error ``e`` in ``w_t`` becomes ``(I - M_t A) e``, so
+    rounding in ``w`` is self-correcting, and the error of ``M_t`` itself
+    enters only through the small residual ``b - A w_t`` (BUILD_NOTES.md).
+    """
+    return constructions.layer(self.newton_skip(dtype=dtype),
+                               self.newton_correction(dtype=dtype),
+                               self.fresh_mb(dtype=dtype))
+
+  def newton_params(self, *, lam, alpha, depth: int, dtype=None
+                    ) -> ElsaParams:
+    r"""Set-up plus ``depth`` Newton–Schulz layers, leaves ``[2 + depth, 3, ...]``.
+
+    After ``setup_layers + t`` layers the state holds ``w_t = M_t b``, equal
+    to GD step ``2^t`` with step ``alpha`` from zero, and every query holds
+    ``x_q^T w_t``.
+
+    Args:
+      lam: ridge strength, a scalar; may be a traced array.
+      alpha: ``M_0 = alpha I``, a scalar; may be traced. It converges iff
+        ``0 < alpha < 2 / lambda_max(A)``: :func:`safe_alpha` gives
+        ``1 / ||A||_F``; ``2 / (mu_min + mu_max)`` is fastest when known.
+      depth: Newton–Schulz steps ``T >= 0`` (static).
+      dtype: dtype of every leaf; it must equal the state's dtype. Default:
+        the dtype of ``lam``/``alpha`` if either is an array, else float32.
+
+    Raises:
+      ValueError: ``depth`` is not an int >= 0, ``lam``/``alpha`` is not a
+        scalar, or a concrete ``alpha <= 0``.
+      TypeError: ``dtype`` is not floating.
+    """
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+      raise ValueError(f"Newton.newton_params: depth must be an int >= 0, got "
+                       f"{depth!r}.")
+    lam, alpha = self._scalars(lam=lam, alpha=alpha, dtype=dtype,
+                               fn="newton_params")
+    setup = self.setup_params(lam=lam, alpha=alpha)
+    if depth == 0:
+      return setup
+    step = self.newton_layer(dtype=lam.dtype)
+    steps = ElsaParams(*(jnp.broadcast_to(a, (depth, *a.shape)) for a in step))
+    return constructions.stack(setup, steps)
+
+  def _scalars(self, *, lam, alpha, dtype, fn: str):
+    """``lam, alpha`` as scalar arrays of one floating dtype, validated."""
+    fn = f"Newton.{fn}"
+    if dtype is None:
+      # Arrays (also tracers) carry a dtype; plain Python numbers do not.
+      typed = [a for a in (lam, alpha) if hasattr(a, "dtype")]
+      dtype = jnp.result_type(*typed) if typed else jnp.float32
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(f"{fn}: dtype must be floating, got {dtype}.")
+    for name, value in (("lam", lam), ("alpha", alpha)):
+      if jnp.ndim(value) != 0:
+        raise ValueError(f"{fn}: {name} must be a scalar, got shape "
+                         f"{jnp.shape(value)}; vmap over it instead.")
+    if isinstance(alpha, (int, float)) and not alpha > 0:
+      raise ValueError(f"{fn}: alpha must be > 0 (M_0 = alpha I; converges "
+                       f"for 0 < alpha < 2 / lambda_max(A)), got {alpha}.")
+    return jnp.asarray(lam, dtype), jnp.asarray(alpha, dtype)

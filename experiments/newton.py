@@ -1,0 +1,282 @@
+r"""Layers to reach the ridge solution as kappa grows: ELSA Newton–Schulz vs ELSA-GD vs GD.
+
+For each condition number ``kappa`` of ``A = X^T X / N + lam I`` (tasks built
+with eigenvalues of ``A`` log-spaced in ``[1/kappa, 1]``) it counts the layers
+until ``||w - w*|| / ||w*|| <= tol``:
+
+* ELSA-Newton: the :class:`elsa.forms.Newton` stack, run (float64 and
+  float32), with ``alpha = safe_alpha`` (``1/||A||_F``) and with the best
+  ``alpha = 2/(mu_min + mu_max)``; counts include the 2 set-up layers. Also
+  the count the theory predicts: ``2 + min{t : err_GD(2^t) <= tol}``.
+* ELSA-GD with the best constant step ``eta = 2/(mu_min + mu_max)``: the
+  Natural form's stack is plain GD exactly, one layer per step and no set-up
+  (tests/test_forms.py checks it), so its count is the GD step count,
+  computed analytically in the eigenbasis of ``A`` (millions of steps at
+  ``kappa = 1e6``) and checked against :func:`elsa.ridge.gd` where cheap.
+* plain GD with the textbook step ``eta = 1/mu_max``, counted the same way.
+
+Writes ``config.json``, ``results.json`` and ``figures/newton_layers.png``
+into ``--workdir``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from absl import app, flags, logging
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+import numpy as np
+
+import elsa
+from elsa import ridge
+from elsa.forms.newton import Newton, safe_alpha
+from experiments import common
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False,
+                               "Replace results of a different config.")
+
+
+def spectrum_tasks(rng: np.random.Generator, *, kappa: float, count: int,
+                   n_train: int, d: int, n_query: int, lam: float,
+                   noise: float):
+  """``count`` tasks (float64 numpy) with ``eig(A)`` log-spaced in ``[1/kappa, 1]``.
+
+  ``X = sqrt(N) U diag(sqrt(mu - lam)) V^T`` with random orthonormal ``U: [N,
+  d]`` and ``V: [d, d]``, so ``X^T X / N = V diag(mu - lam) V^T``;
+  ``y = X w_true + noise * eps``. Returns ``x [B, N, d]``, ``y [B, N]``,
+  ``x_query [B, Q, d]``.
+  """
+  if n_train < d:
+    raise ValueError(f"spectrum_tasks: needs n_train >= d, got {n_train} < {d}.")
+  mu = np.geomspace(1 / kappa, 1, d)
+  if mu[0] <= lam:
+    raise ValueError(f"spectrum_tasks: lam={lam} must be below 1/kappa="
+                     f"{1 / kappa} (eigenvalues of X^T X / N are mu - lam).")
+  xs, ys = [], []
+  for _ in range(count):
+    u, _ = np.linalg.qr(rng.normal(size=(n_train, d)))
+    v, _ = np.linalg.qr(rng.normal(size=(d, d)))
+    x = math.sqrt(n_train) * (u * np.sqrt(mu - lam)) @ v.T
+    xs.append(x)
+    ys.append(x @ rng.normal(size=d) + noise * rng.normal(size=n_train))
+  xq = rng.normal(size=(count, n_query, d))
+  return np.stack(xs), np.stack(ys), xq
+
+
+def gd_steps_to_tol(evals, coeffs, *, eta: float, tol: float,
+                    max_steps: int = 2**45) -> int | None:
+  """Fewest GD steps from 0 with ``||w_s - w*|| <= tol ||w*||``, exactly in the eigenbasis.
+
+  ``w* - w_s = (I - eta A)^s w*``, so with ``c = V^T w*`` the error is
+  ``||r^s * c||`` for ``r = 1 - eta mu``; it is non-increasing in ``s`` when
+  ``|r| < 1``, so bisection finds the first ``s``. ``None`` past ``max_steps``.
+  """
+  r = 1 - eta * np.asarray(evals)
+  coeffs = np.asarray(coeffs)
+  target = tol * np.linalg.norm(coeffs)
+  err = lambda s: np.linalg.norm(np.abs(r) ** s * coeffs)
+  if err(max_steps) > target:
+    return None
+  lo, hi = -1, max_steps  # err(lo) > target >= err(hi)
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if err(mid) <= target else (mid, hi)
+  return hi
+
+
+def newton_decoder(form: Newton, *, lam: float, depth: int):
+  """A jitted ``(x, y, xq, alpha) -> w`` after every layer, ``[B, 2 + depth + 1, d]``.
+
+  Batched over tasks and their ``alpha`` (traced: one compile per dtype).
+  """
+
+  def states(x, y, xq, alpha):
+    params = form.newton_params(lam=jnp.asarray(lam, x.dtype), alpha=alpha,
+                                depth=depth)
+    h0 = form.encode(x, y, x_query=xq)
+    return form.decode_w(elsa.elsa_stack(params, h0, return_all=True))
+
+  return jax.jit(jax.vmap(states))
+
+
+def _relative_errors(ws, w_star) -> np.ndarray:
+  """``||w - w*|| / ||w*||`` per task and layer, in float64: ``[B, L + 1]``."""
+  ws = np.asarray(ws, np.float64)
+  diff = np.linalg.norm(ws - w_star[:, None], axis=-1)
+  return diff / np.linalg.norm(w_star, axis=-1)[:, None]
+
+
+def _first_below(errors: np.ndarray, tol: float) -> list[int | None]:
+  """Per row, the first layer index whose error is ``<= tol`` (``None``: never)."""
+  out = []
+  for row in errors:
+    hits = np.nonzero(row <= tol)[0]
+    out.append(int(hits[0]) if hits.size else None)
+  return out
+
+
+def _kappa_result(config, kappa: float, rng: np.random.Generator, decoder
+                  ) -> dict:
+  """Every count and floor for one condition number (see the module doc)."""
+  x, y, xq = spectrum_tasks(rng, kappa=kappa, count=config.tasks_per_kappa,
+                            n_train=config.n_train, d=config.d,
+                            n_query=config.n_query, lam=config.lam,
+                            noise=config.noise)
+  a, _ = ridge.normal_equations(jnp.asarray(x), jnp.asarray(y), lam=config.lam)
+  evals, evecs = np.linalg.eigh(np.asarray(a))
+  w_star = np.asarray(ridge.solve(jnp.asarray(x), jnp.asarray(y),
+                                  lam=config.lam))
+  coeffs = np.einsum("bdi,bd->bi", evecs, w_star)
+  mu_min, mu_max = evals[:, 0], evals[:, -1]
+  alphas = {"safe": np.asarray(safe_alpha(jnp.asarray(x), lam=config.lam)),
+            "best": 2 / (mu_min + mu_max)}
+  form = Newton(n_train=config.n_train, d=config.d, n_query=config.n_query)
+  setup = form.setup_layers
+  out = {"kappa": kappa, "kappa_measured": (mu_max / mu_min).tolist()}
+  for name, alpha in alphas.items():
+    steps = [gd_steps_to_tol(e, c, eta=al, tol=config.tol)
+             for e, c, al in zip(evals, coeffs, alpha)]
+    out[f"newton_theory_{name}"] = [
+        None if s is None else setup + max(0, math.ceil(math.log2(max(s, 1))))
+        for s in steps]
+    for dtype, tol in ((jnp.float64, config.tol),
+                       (jnp.float32, config.tol_float32)):
+      cast = lambda arr: jnp.asarray(arr, dtype)  # pylint: disable=cell-var-from-loop
+      errors = _relative_errors(decoder(cast(x), cast(y), cast(xq),
+                                        cast(alpha)), w_star)
+      key = f"newton_{jnp.dtype(dtype).name}_{name}"
+      out[key] = _first_below(errors, tol)
+      out[key + "_floor"] = errors[:, setup + 1:].min(axis=1).tolist()
+      out[key + "_final"] = errors[:, -1].tolist()
+      if name == "safe":
+        out[key + "_curve"] = np.median(errors, axis=0).tolist()
+  for name, eta in (("elsa_gd_best", 2 / (mu_min + mu_max)),
+                    ("gd_plain", 1 / mu_max)):
+    out[name] = [gd_steps_to_tol(e, c, eta=et, tol=config.tol)
+                 for e, c, et in zip(evals, coeffs, eta)]
+    out[name + "_eta"] = eta.tolist()
+  out["gd_check"] = _check_gd_count(x[0], y[0], w_star[0], lam=config.lam,
+                                    eta=float(1 / mu_max[0]), tol=config.tol,
+                                    steps=out["gd_plain"][0])
+  return out
+
+
+def _check_gd_count(x, y, w_star, *, lam, eta, tol, steps) -> bool | None:
+  """Runs :func:`elsa.ridge.gd` to confirm the analytic count (``None``: too long)."""
+  if steps is None or steps > 50_000:
+    return None
+  ws = np.asarray(ridge.gd(jnp.asarray(x), jnp.asarray(y), lam=lam, eta=eta,
+                           steps=steps))
+  errors = np.linalg.norm(ws - w_star, axis=-1) / np.linalg.norm(w_star)
+  return bool(errors[-1] <= tol and (steps == 0 or errors[-2] > tol))
+
+
+def _median(values) -> float | None:
+  """Median over tasks; ``None`` if any task never reached the tolerance."""
+  if any(v is None for v in values):
+    return None
+  return float(np.median(values))
+
+
+def summary_rows(results: dict) -> list[dict]:
+  """One row per kappa: median layer counts and the worst floors."""
+  rows = []
+  for r in results["per_kappa"]:
+    rows.append({
+        "kappa": r["kappa"],
+        "newton_f64_safe": _median(r["newton_float64_safe"]),
+        "newton_f64_best": _median(r["newton_float64_best"]),
+        "newton_theory_safe": _median(r["newton_theory_safe"]),
+        "newton_f32_safe": _median(r["newton_float32_safe"]),
+        "elsa_gd_best": _median(r["elsa_gd_best"]),
+        "gd_plain": _median(r["gd_plain"]),
+        "floor_f64": max(r["newton_float64_safe_floor"]),
+        "floor_f32": max(r["newton_float32_safe_floor"]),
+    })
+  return rows
+
+
+def markdown_table(results: dict) -> str:
+  """The summary as a markdown table (what the notes show)."""
+  cols = ["kappa", "newton_f64_safe", "newton_f64_best", "newton_theory_safe",
+          "newton_f32_safe", "elsa_gd_best", "gd_plain", "floor_f64",
+          "floor_f32"]
+  fmt = lambda v: "never" if v is None else (
+      f"{v:.1e}" if isinstance(v, float) and (v < 1e-2 or v >= 1e5)
+      else f"{v:g}")
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  for row in summary_rows(results):
+    lines.append("| " + " | ".join(fmt(row[c]) for c in cols) + " |")
+  return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+  """Layers vs kappa (left) and the median Newton error per layer (right)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  rows = summary_rows(results)
+  kappas = [r["kappa"] for r in rows]
+  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+  for key, label in (("newton_f64_safe", "ELSA-Newton, alpha=1/||A||_F (f64)"),
+                     ("newton_f64_best", "ELSA-Newton, best alpha (f64)"),
+                     ("newton_f32_safe", "ELSA-Newton f32 (tol_float32)"),
+                     ("elsa_gd_best", "ELSA-GD, eta=2/(mu_min+mu_max)"),
+                     ("gd_plain", "GD, eta=1/mu_max")):
+    pts = [(k, r[key]) for k, r in zip(kappas, rows) if r[key] is not None]
+    if pts:
+      left.plot(*zip(*pts), marker="o", label=label)
+  left.set(xscale="log", yscale="log", xlabel="kappa(A)",
+           ylabel=f"layers to rel. error {results['config']['tol']:g}")
+  left.legend(fontsize=7)
+  for i, r in enumerate(results["per_kappa"]):
+    for dtype, style in (("float64", "-"), ("float32", ":")):
+      curve = r[f"newton_{dtype}_safe_curve"]
+      right.plot(range(len(curve)), curve, style, color=f"C{i}",
+                 label=f"kappa={r['kappa']:g} {dtype}")
+  right.set(yscale="log", xlabel="layer", ylabel="median ||w - w*|| / ||w*||")
+  right.legend(fontsize=6, ncol=2)
+  common.save_figure(fig, path)
+
+
+def run(config, workdir: str, *, overwrite: bool = False) -> dict:
+  """Runs the sweep into ``workdir`` and returns the results dict (skips if done)."""
+  if not jax.config.jax_enable_x64:
+    raise RuntimeError("newton.run: needs float64 for its references; call "
+                       "jax.config.update('jax_enable_x64', True) first.")
+  common.prepare_workdir(workdir, config, overwrite=overwrite)
+  results_path = os.path.join(workdir, "results.json")
+  results = common.read_json(results_path)
+  if results is None:
+    rng = np.random.default_rng(config.seed)
+    progress = common.Progress(len(config.kappas), name="newton", unit="kappas")
+    form = Newton(n_train=config.n_train, d=config.d, n_query=config.n_query)
+    decoder = newton_decoder(form, lam=config.lam, depth=config.depth)
+    per_kappa = []
+    for kappa in config.kappas:
+      per_kappa.append(_kappa_result(config, float(kappa), rng, decoder))
+      progress.update()
+    results = {"config": common.config_dict(config), "per_kappa": per_kappa}
+    common.write_json(results_path, results)
+  else:
+    logging.info("newton: results exist in %s; skipping the sweep.", workdir)
+  plot(results, os.path.join(workdir, "figures", "newton_layers.png"))
+  logging.info("newton summary:\n%s", markdown_table(results))
+  return results
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  jax.config.update("jax_enable_x64", True)  # the float64 run and references
+  run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config", "workdir"])
+  app.run(main)
