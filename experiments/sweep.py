@@ -1,0 +1,376 @@
+r"""The main job: L ELSA layers reproduce L ridge-GD steps, swept over depth x lambda x eta.
+
+  python -m experiments.sweep --workdir=runs/sweep
+
+For each input form (``designed``, ``natural``), each ridge strength ``lam``,
+each step size ``eta`` and a batch of random tasks, ONE ELSA stack of the
+maximum depth ``L`` runs with ``return_all`` and every state ``h_t`` is
+decoded and compared with GD iterate ``t`` (:func:`elsa.ridge.gd`), so
+"``t`` layers == ``t`` GD steps" is measured at every ``t = 1..L`` from one
+scan. Both are also compared with the ridge solution (:func:`elsa.ridge.solve`).
+
+Relative error, used for every number this driver reports, per task and depth:
+
+.. math::
+  \mathrm{rel}(a, b) = \frac{\|a - b\|_2}{\max(\|b\|_2,\ \mathrm{tiny})},
+  \qquad \mathrm{tiny} = \texttt{finfo(dtype).tiny},
+
+with ``a`` the ELSA iterate and ``b`` the GD iterate (``rel_err``), or ``a`` an
+iterate and ``b`` the ridge solution (``elsa_to_ridge``, ``gd_to_ridge``).
+
+Compilation: one ``jax.jit`` function per form (the two forms are different
+programs); ``lam``, ``eta`` and the tasks are traced arrays under ``vmap``, the
+depth is the scan length, so a whole sweep of one form traces exactly once
+(``results['traces']`` records the count). The flat batch of (grid point, task)
+items is sharded over ``jax.devices()`` along a 1-D mesh axis ``batch``
+(``Mesh`` + ``NamedSharding``), padded to a multiple of the device count.
+
+A cell (form, lam, eta) is ``diverged`` when ``eta`` is at or past the GD
+stability limit ``2 / (lambda_max(X^T X/N) + lam)`` of any of its tasks, or any
+of its iterates is not finite. Diverged cells are kept in ``results.json``
+(non-finite numbers as ``null``) and never enter ``max_rel_err`` or the error
+figures.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+import elsa
+from elsa import forms
+from elsa import ridge
+from experiments import common
+from experiments import plotting
+
+Array = jax.Array
+
+_FORM_CLASSES = {"designed": "Designed", "natural": "Natural"}
+_METRICS = ("rel_err", "elsa_to_ridge", "gd_to_ridge")
+
+
+def relative_error(a: Array, b: Array) -> Array:
+  """``||a - b|| / max(||b||, tiny)`` over the last axis; ``[...]`` from ``[..., d]``."""
+  tiny = jnp.finfo(b.dtype).tiny
+  return (jnp.linalg.norm(a - b, axis=-1)
+          / jnp.maximum(jnp.linalg.norm(b, axis=-1), tiny))
+
+
+def make_form(name: str, config: ml_collections.ConfigDict):
+  """The input form ``name`` (``designed`` or ``natural``) for the config's task shape."""
+  if name not in _FORM_CLASSES:
+    raise ValueError(f"config.forms: unknown form {name!r}; choose from "
+                     f"{sorted(_FORM_CLASSES)}.")
+  cls = getattr(forms, _FORM_CLASSES[name])
+  return cls(n_train=config.n_train, d=config.d, n_query=config.n_query,
+             n_out=1)
+
+
+def measure_task(form, x: Array, y: Array, x_query: Array, lam: Array,
+                 eta: Array, *, depth: int) -> dict[str, Array]:
+  """ELSA stack vs GD vs ridge solution for one task, at every depth ``0..depth``.
+
+  Args:
+    form: an input form (``elsa.forms.Designed`` or ``Natural``).
+    x: ``[N, d]``; y: ``[N]``; x_query: ``[Q, d]``.
+    lam, eta: scalars (traced).
+    depth: stack depth ``L`` (static).
+
+  Returns:
+    ``rel_err``, ``elsa_to_ridge``, ``gd_to_ridge``: each ``[L + 1]``.
+  """
+  params = form.gd_params(lam=lam, eta=eta, depth=depth)
+  states = elsa.elsa_stack(params, form.encode(x, y, x_query=x_query),
+                           return_all=True)
+  w_gd = ridge.gd(x, y, lam=lam, eta=eta, steps=depth).reshape(depth + 1, -1)
+  # decode_w may keep a trailing output axis of size n_out = 1.
+  w_elsa = form.decode_w(states).reshape(w_gd.shape)
+  w_ridge = ridge.solve(x, y, lam=lam).reshape(-1)
+  return dict(rel_err=relative_error(w_elsa, w_gd),
+              elsa_to_ridge=relative_error(w_elsa, w_ridge),
+              gd_to_ridge=relative_error(w_gd, w_ridge))
+
+
+def build_measure(form, *, depth: int, mesh: Mesh, on_trace=None):
+  """One jitted function measuring a flat, sharded batch of (task, lam, eta) items.
+
+  Args:
+    form: the input form.
+    depth: stack depth ``L``.
+    mesh: a 1-D mesh with axis ``batch``; inputs are split along it.
+    on_trace: called each time the function is traced (tests count compiles).
+
+  Returns:
+    ``f(x [B, N, d], y [B, N], x_query [B, Q, d], lam [B], eta [B])`` ->
+    dict of ``[B, L + 1]`` arrays, replicated on every device (so every host
+    can read them); ``B`` must be a multiple of the mesh size.
+  """
+  split = NamedSharding(mesh, PartitionSpec("batch"))
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def measure(x, y, x_query, lam, eta):
+    if on_trace is not None:
+      on_trace()
+    one = functools.partial(measure_task, form, depth=depth)
+    return jax.vmap(one)(x, y, x_query, lam, eta)
+
+  return jax.jit(measure, in_shardings=(split,) * 5, out_shardings=replicated)
+
+
+def _tasks_and_limits(config: ml_collections.ConfigDict, dtype):
+  """The config's tasks and ``limit [n_lams, n_tasks]``, their GD stability limits."""
+  shape = dict(batch=config.n_tasks, n_train=config.n_train, d=config.d,
+               n_query=config.n_query)
+
+  @jax.jit
+  def sample(key, noise, lams):
+    # One compile instead of a few dozen eager ops (each compiled on its own).
+    tasks = ridge.sample_tasks(key, noise=noise, dtype=dtype, **shape)
+    return tasks, ridge.stability_limit(tasks.x[None], lam=lams[:, None])
+
+  return sample(jax.random.key(config.seed), jnp.asarray(config.noise, dtype),
+                jnp.asarray(config.lams, dtype))
+
+
+def _grid_items(config: ml_collections.ConfigDict, dtype) -> dict[str, np.ndarray]:
+  """The flat batch, ordered (lam, eta, task): inputs and the stability mask.
+
+  Returns ``x [G, N, d]``, ``y [G, N]``, ``x_query [G, Q, d]``, ``lam [G]``,
+  ``eta [G]`` (absolute step sizes) and ``unstable [G]`` (``eta`` at or past
+  the task's stability limit), ``G = len(lams) * len(etas) * n_tasks``.
+  """
+  if config.eta_mode not in ("fraction", "absolute"):
+    raise ValueError(f"config.eta_mode must be 'fraction' or 'absolute', got "
+                     f"{config.eta_mode!r}.")
+  tasks, limit = jax.tree.map(np.asarray, _tasks_and_limits(config, dtype))
+  np_dtype = limit.dtype
+  lams = np.asarray(config.lams, np_dtype)
+  etas = np.asarray(config.etas, np_dtype)
+  shape = (len(lams), len(etas), config.n_tasks)
+  if config.eta_mode == "fraction":
+    eta = etas[None, :, None] * limit[:, None, :]
+  else:
+    eta = np.broadcast_to(etas[None, :, None], shape)
+  task_index = np.broadcast_to(np.arange(config.n_tasks), shape).reshape(-1)
+  return dict(x=tasks.x[task_index], y=tasks.y[task_index],
+              x_query=tasks.x_query[task_index],
+              lam=np.broadcast_to(lams[:, None, None], shape).reshape(-1),
+              eta=eta.reshape(-1).astype(np_dtype),
+              unstable=(eta >= limit[:, None, :]).reshape(-1))
+
+
+def _put(array: np.ndarray, sharding: NamedSharding) -> Array:
+  """A global array from the same host array on every process."""
+  return jax.make_array_from_callback(array.shape, sharding,
+                                      lambda index: array[index])
+
+
+def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
+              mesh: Mesh, progress: common.Progress) -> dict:
+  """All chunks of one form through one compiled function; returns the records."""
+  form = make_form(name, config)
+  traces = []
+  measure = build_measure(form, depth=config.depth, mesh=mesh,
+                          on_trace=lambda: traces.append(1))
+  n_items, n_dev = len(items["lam"]), mesh.size
+  chunk = -(-min(config.chunk_size, n_items) // n_dev) * n_dev
+  split = NamedSharding(mesh, PartitionSpec("batch"))
+  inputs = ("x", "y", "x_query", "lam", "eta")
+  outputs = {metric: [] for metric in _METRICS}
+  with jax.default_matmul_precision("highest"):
+    for start in range(0, n_items, chunk):
+      # Every chunk has the same shape (the last is padded with item 0), so
+      # the function compiles once.
+      index = np.arange(start, start + chunk)
+      index = np.where(index < n_items, index, 0)
+      out = measure(*(_put(items[k][index], split) for k in inputs))
+      real = min(chunk, n_items - start)
+      for metric in _METRICS:
+        outputs[metric].append(np.asarray(out[metric])[:real])
+      progress.update(real)
+  outputs = {k: np.concatenate(v) for k, v in outputs.items()}
+  return dict(records=_records(name, config, outputs, items["unstable"]),
+              traces=len(traces))
+
+
+def _finite_or_none(value) -> float | None:
+  value = float(value)
+  return value if np.isfinite(value) else None
+
+
+def _records(name: str, config: ml_collections.ConfigDict,
+             outputs: dict[str, np.ndarray], unstable: np.ndarray) -> list[dict]:
+  """One record per (lam, eta, depth 1..L): task max/median of each metric."""
+  grid = (len(config.lams), len(config.etas), config.n_tasks, config.depth + 1)
+  outputs = {k: v.reshape(grid) for k, v in outputs.items()}
+  unstable = unstable.reshape(grid[:3])
+  records = []
+  for i, lam in enumerate(config.lams):
+    for j, eta in enumerate(config.etas):
+      cell = {k: v[i, j] for k, v in outputs.items()}
+      finite = all(np.isfinite(v).all() for v in cell.values())
+      diverged = bool(unstable[i, j].any()) or not finite
+      for depth in range(1, config.depth + 1):
+        at = {k: v[:, depth] for k, v in cell.items()}
+        records.append(dict(
+            form=name, lam=float(lam), eta=float(eta), depth=depth,
+            diverged=diverged, n_unstable_tasks=int(unstable[i, j].sum()),
+            max_rel_err=_finite_or_none(np.max(at["rel_err"])),
+            median_rel_err=_finite_or_none(np.median(at["rel_err"])),
+            elsa_to_ridge=_finite_or_none(np.median(at["elsa_to_ridge"])),
+            gd_to_ridge=_finite_or_none(np.median(at["gd_to_ridge"]))))
+  return records
+
+
+def _worst(records: list[dict]) -> float | None:
+  stable = [r["max_rel_err"] for r in records if not r["diverged"]]
+  return max(stable) if stable else None
+
+
+def summary_table(results: dict) -> str:
+  """Final-depth numbers per (form, lam, eta), as aligned text."""
+  depth = max(r["depth"] for r in results["records"])
+  head = (f"{'form':9} {'lam':>7} {'eta':>7} {'max_rel_err':>12} "
+          f"{'elsa_to_ridge':>14} {'gd_to_ridge':>12}  status")
+  lines = [f"ELSA stack vs GD at depth {depth} ({results['dtype']}, "
+           f"eta {results['eta_mode']}):", head, "-" * len(head)]
+  fmt = lambda v: "nan/inf" if v is None else f"{v:.3g}"
+  for r in results["records"]:
+    if r["depth"] == depth:
+      lines.append(
+          f"{r['form']:9} {r['lam']:7.3g} {r['eta']:7.3g} "
+          f"{fmt(r['max_rel_err']):>12} {fmt(r['elsa_to_ridge']):>14} "
+          f"{fmt(r['gd_to_ridge']):>12}  "
+          f"{'DIVERGED' if r['diverged'] else 'ok'}")
+  lines.append(f"max_rel_err over stable cells, all depths: "
+               f"{fmt(results['max_rel_err'])}")
+  return "\n".join(lines)
+
+
+def _write_figures(results: dict, workdir: str) -> None:
+  folder = os.path.join(workdir, "figures")
+  records, form_names = results["records"], results["forms"]
+  for name in form_names:
+    common.save_figure(plotting.error_vs_depth(records, form=name),
+                       os.path.join(folder, f"error_vs_depth_{name}.png"))
+    common.save_figure(plotting.convergence(records, form=name),
+                       os.path.join(folder, f"convergence_{name}.png"))
+  common.save_figure(plotting.final_error_heatmap(records, forms=form_names),
+                     os.path.join(folder, "final_error_heatmap.png"))
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, *,
+        overwrite: bool = False) -> dict:
+  """Runs (or resumes, or skips) the sweep of ``config`` into ``workdir``.
+
+  Writes ``config.json``, ``partial_<form>.json`` after each form,
+  ``figures/*.png`` and finally ``results.json`` (all atomically): a rerun
+  with the same config returns the finished results or redoes only the
+  forms without a partial file.
+
+  Returns:
+    The results dict (what ``results.json`` holds).
+
+  Raises:
+    ValueError: ``workdir`` holds a different config and ``overwrite`` is off.
+  """
+  if config.x64 and not jax.config.jax_enable_x64:
+    jax.config.update("jax_enable_x64", True)
+  writer = jax.process_index() == 0
+  if writer:
+    common.prepare_workdir(workdir, config, overwrite=overwrite)
+  done = common.read_json(os.path.join(workdir, "results.json"))
+  if done is not None:
+    logging.info("%s: results of this config exist; nothing to do.", workdir)
+    print(summary_table(done))
+    return done
+
+  start = time.perf_counter()
+  for name in config.forms:
+    make_form(name, config)  # a bad name or shape fails before any work
+  dtype = jnp.float64 if config.x64 else jnp.float32
+  items = _grid_items(config, dtype)
+  mesh = Mesh(np.array(jax.devices()), ("batch",))
+  partial = {name: common.read_json(
+      os.path.join(workdir, f"partial_{name}.json")) for name in config.forms}
+  todo = [name for name in config.forms if partial[name] is None]
+  logging.info("sweep: %d forms to run (%s), %d items each, on %d %s devices",
+               len(todo), ", ".join(todo), len(items["lam"]), mesh.size,
+               jax.default_backend())
+  progress = common.Progress(len(todo) * len(items["lam"]), name="sweep",
+                             unit="tasks")
+  for name in todo:
+    partial[name] = _run_form(name, config, items, mesh, progress)
+    if writer:
+      common.write_json(os.path.join(workdir, f"partial_{name}.json"),
+                        partial[name])
+
+  records = [r for name in config.forms for r in partial[name]["records"]]
+  results = dict(
+      max_rel_err=_worst(records),
+      max_rel_err_by_form={name: _worst(partial[name]["records"])
+                           for name in config.forms},
+      forms=list(config.forms), dtype=jnp.dtype(dtype).name,
+      eta_mode=config.eta_mode,
+      relative_error="||a - b||_2 / max(||b||_2, finfo(dtype).tiny) per task "
+                     "and depth; max/median over the cell's tasks",
+      n_diverged_cells=len({(r["form"], r["lam"], r["eta"]) for r in records
+                            if r["diverged"]}),
+      traces={name: partial[name]["traces"] for name in config.forms},
+      devices=mesh.size, backend=jax.default_backend(),
+      seconds=time.perf_counter() - start, records=records)
+  if writer:
+    _write_figures(results, workdir)
+    # results.json last: its presence means the run is complete.
+    common.write_json(os.path.join(workdir, "results.json"), results)
+  print(summary_table(results))
+  return results
+
+
+def _default_config_path() -> str:
+  return os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                      "sweep.py")
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if flags.FLAGS.distributed:
+    jax.distributed.initialize()
+  config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+  if jax.process_index() == 0:
+    try:
+      common.prepare_workdir(workdir, config, overwrite=flags.FLAGS.overwrite)
+    except ValueError as refusal:
+      # A used workdir is the user's call, not a bug: a message, no traceback.
+      raise SystemExit(f"sweep: {refusal}") from None
+  run(config, workdir, overwrite=flags.FLAGS.overwrite)
+
+
+def define_flags() -> None:
+  """The driver's flags; called only when run as a program."""
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  config_flags.DEFINE_config_file(
+      "config", default=_default_config_path(),
+      help_string="Sweep config file (experiments/configs/*.py).")
+  flags.DEFINE_string("workdir", None, "Where results and figures go.",
+                      required=True)
+  flags.DEFINE_bool("overwrite", False,
+                    "Replace the results of a different config in --workdir.")
+  flags.DEFINE_bool("distributed", False,
+                    "Call jax.distributed.initialize() first (multi-host).")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,200 @@
+"""End-to-end tests of experiments/sweep.py on the tiny config.
+
+Bounds (measured on this machine, tiny config, see BUILD_NOTES.md "The sweep"):
+float32 max_rel_err 1.5e-7 -> bound 2e-6; float64 ~1e-16 -> bound 1e-10.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elsa import forms
+from elsa import ridge
+from experiments import sweep
+from experiments.configs import sweep as default_config
+from experiments.configs import sweep_tiny
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+F32_BOUND = 2e-6
+F64_BOUND = 1e-10
+FIGURES = ("convergence_designed.png", "convergence_natural.png",
+           "error_vs_depth_designed.png", "error_vs_depth_natural.png",
+           "final_error_heatmap.png")
+
+
+def _tiny(**overrides):
+  config = sweep_tiny.get_config()
+  config.update(overrides)
+  return config
+
+
+def _read(workdir, name):
+  with open(os.path.join(workdir, name), encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _check_files_and_records(workdir, results, config):
+  assert _read(workdir, "results.json") == json.loads(json.dumps(results))
+  assert _read(workdir, "config.json")["depth"] == config.depth
+  assert sorted(os.listdir(os.path.join(workdir, "figures"))) == sorted(FIGURES)
+  for name in FIGURES:
+    with open(os.path.join(workdir, "figures", name), "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  records = results["records"]
+  assert len(records) == (len(config.forms) * len(config.lams)
+                          * len(config.etas) * config.depth)
+  keys = {(r["form"], r["lam"], r["eta"], r["depth"]) for r in records}
+  assert len(keys) == len(records)
+  assert {r["depth"] for r in records} == set(range(1, config.depth + 1))
+
+
+def _check_float32_accuracy_and_divergence(results, config):
+  records = results["records"]
+  # The tiny grid has eta fractions 0.5 (stable) and 1.1 (past the limit).
+  for r in records:
+    assert r["diverged"] == (r["eta"] > 1), r
+  stable = [r for r in records if not r["diverged"]]
+  worst = max(r["max_rel_err"] for r in stable)
+  # Diverged cells stay out of max_rel_err even where their error is larger.
+  assert results["max_rel_err"] == worst
+  assert 0 < worst < F32_BOUND
+  assert all(r["median_rel_err"] <= r["max_rel_err"] for r in stable)
+  # Stable GD approaches the ridge solution, and the ELSA stack with it.
+  for form in config.forms:
+    first = [r for r in stable if r["form"] == form and r["depth"] == 1]
+    last = [r for r in stable if r["form"] == form
+            and r["depth"] == config.depth]
+    for r1, rl in zip(first, last):
+      assert rl["gd_to_ridge"] < r1["gd_to_ridge"]
+      np.testing.assert_allclose(rl["elsa_to_ridge"], rl["gd_to_ridge"],
+                                 rtol=1e-3, atol=1e-6)
+  assert results["n_diverged_cells"] == 4
+  assert results["dtype"] == "float32"
+
+
+def _check_rerun_skips_and_other_config_is_refused(workdir, results,
+                                                   monkeypatch):
+  with monkeypatch.context() as patch:
+    def fail(*args, **kwargs):
+      raise AssertionError("a finished sweep must not run again")
+    patch.setattr(sweep, "_run_form", fail)
+    assert sweep.run(_tiny(), workdir) == json.loads(json.dumps(results))
+  with pytest.raises(ValueError, match="different config.*--overwrite"):
+    sweep.run(_tiny(depth=3), workdir)
+
+
+def _check_interrupted_run_resumes_missing_forms_only(workdir, results,
+                                                      monkeypatch):
+  # A run killed after its first form: no results.json, one partial file.
+  os.remove(os.path.join(workdir, "results.json"))
+  os.remove(os.path.join(workdir, "partial_natural.json"))
+  ran = []
+  real = sweep._run_form
+  with monkeypatch.context() as patch:
+    patch.setattr(sweep, "_run_form",
+                  lambda name, *a: ran.append(name) or real(name, *a))
+    resumed = sweep.run(_tiny(), workdir)
+  assert ran == ["natural"]
+  assert resumed["records"] == results["records"]
+
+
+def test_tiny_float32_run(tmp_path, monkeypatch):
+  """Files, accuracy, divergence, one trace per form, skip, refuse, resume, overwrite."""
+  workdir, config = str(tmp_path), _tiny()
+  results = sweep.run(config, workdir)
+  _check_files_and_records(workdir, results, config)
+  _check_float32_accuracy_and_divergence(results, config)
+  items = len(config.lams) * len(config.etas) * config.n_tasks
+  assert items > config.chunk_size  # several calls, the last one padded
+  assert results["traces"] == {"designed": 1, "natural": 1}
+  _check_rerun_skips_and_other_config_is_refused(workdir, results, monkeypatch)
+  _check_interrupted_run_resumes_missing_forms_only(workdir, results,
+                                                    monkeypatch)
+  # --overwrite hands a used workdir to another config, dropping old partials.
+  other = sweep.run(_tiny(depth=2, forms=("designed",)), workdir,
+                    overwrite=True)
+  assert {r["depth"] for r in other["records"]} == {1, 2}
+  assert not os.path.exists(os.path.join(workdir, "partial_natural.json"))
+
+
+def test_measure_task_detects_a_wrong_stack():
+  """The comparison is not vacuous: a stack with a perturbed step is caught."""
+  form = forms.Designed(n_train=6, d=3, n_query=2, n_out=1)
+  tasks = ridge.sample_tasks(jax.random.key(1), batch=1, n_train=6, d=3,
+                             n_query=2, dtype=jnp.float64)
+  x, y, xq = tasks.x[0], tasks.y[0], tasks.x_query[0]
+  lam, eta = jnp.float64(0.1), jnp.float64(0.3)
+  measure = lambda f: jax.jit(functools.partial(sweep.measure_task, f,
+                                                depth=4))(x, y, xq, lam, eta)
+  good = measure(form)
+  assert float(good["rel_err"].max()) < F64_BOUND
+
+  class OffByOnePercent(forms.Designed):
+    def gd_params(self, *, lam, eta, depth):
+      return super().gd_params(lam=lam, eta=1.01 * eta, depth=depth)
+
+  wrong = OffByOnePercent(n_train=6, d=3, n_query=2, n_out=1)
+  bad = measure(wrong)
+  assert float(bad["rel_err"][1:].min()) > 1e-3
+
+
+def test_cli_float64_sharded_on_four_devices_equals_one_device(tmp_path):
+  """The command line, with overrides, on 4 forced host devices, in float64."""
+  workdir = str(tmp_path / "sharded")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, "-m", "experiments.sweep",
+         "--config=experiments/configs/sweep_tiny.py", "--config.x64=True",
+         "--config.depth=4", f"--workdir={workdir}"]
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=240, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "max_rel_err over stable cells" in proc.stdout  # the summary table
+  assert "ETA" in proc.stderr  # progress lines
+  sharded = _read(workdir, "results.json")
+  refused = subprocess.run(cmd[:-1] + ["--config.depth=3", cmd[-1]], cwd=REPO,
+                           env=env, capture_output=True, text=True,
+                           timeout=120, check=False)
+  assert refused.returncode != 0
+  assert "different config (fields that differ: depth)" in refused.stderr
+  assert "Traceback" not in refused.stderr
+  assert sharded["devices"] == 4
+  assert sharded["traces"] == {"designed": 1, "natural": 1}
+  single = sweep.run(_tiny(x64=True, depth=4), str(tmp_path / "single"))
+  assert single["devices"] == len(jax.devices())
+  for results in (sharded, single):
+    assert results["dtype"] == "float64"
+    assert 0 <= results["max_rel_err"] < F64_BOUND
+  assert len(sharded["records"]) == len(single["records"])
+  for rs, r1 in zip(sharded["records"], single["records"]):
+    assert {k: v for k, v in rs.items() if "rel_err" not in k
+            and "ridge" not in k} == {k: v for k, v in r1.items()
+                                      if "rel_err" not in k
+                                      and "ridge" not in k}
+    for key in ("max_rel_err", "median_rel_err"):
+      assert abs(rs[key] - r1[key]) < 1e-14
+    for key in ("elsa_to_ridge", "gd_to_ridge"):
+      np.testing.assert_allclose(rs[key], r1[key], rtol=1e-9)
+
+
+def test_configs_name_their_command():
+  assert sweep._default_config_path() == os.path.join(
+      REPO, "experiments", "configs", "sweep.py")
+  for module, name in ((default_config, "sweep"), (sweep_tiny, "sweep_tiny")):
+    first = module.__doc__.strip().splitlines()[0]
+    assert first.startswith("python -m experiments.sweep"), first
+    if name != "sweep":
+      assert f"--config=experiments/configs/{name}.py" in first
+    module.get_config()  # builds
+
+
+def test_bad_eta_mode_is_refused(tmp_path):
+  with pytest.raises(ValueError, match="eta_mode"):
+    sweep.run(_tiny(eta_mode="relative"), str(tmp_path))
