@@ -1,0 +1,84 @@
+r"""Speed of the ELSA primitive, of deep stacks and of the sweep kernel.
+
+  python -m experiments.benchmark --config=experiments/configs/benchmark.py --workdir=runs/benchmark
+
+``--config=experiments/configs/benchmark.py:quick`` shrinks every part to
+seconds (what tests/test_benchmark_driver.py runs). Override any field, e.g.
+``--config.tokens='(1024, 4096)' --config.reps=11``. The default takes about
+three minutes on 2 CPU cores; the same command runs unchanged on a GPU or TPU.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The full benchmark; ``arg == 'quick'`` gives tiny sizes and few repetitions."""
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.dtype = "float32"
+  config.quick = arg == "quick"
+  # Timing: `warmup` untimed calls, then the median of `reps` timed calls,
+  # fewer (but at least `min_reps`) once one case has run `max_case_s`.
+  config.warmup = 2
+  config.reps = 7
+  config.min_reps = 3
+  config.max_case_s = 10.0
+
+  # Part 1, the primitive: elsa(p, h) for h [m, n] with k = v = n.
+  config.tokens = (256, 1024, 4096, 16384, 65536)
+  config.widths = (64, 256)
+  # The exponent of time against m is fitted on m >= this (smaller m measure
+  # call overhead, which flatters the exponent) and on all m.
+  config.fit_min_tokens = 4096
+  # The quadratic order (Q K^T) V is run only where its compiled temporaries
+  # and output fit in this budget; elsewhere it is reported as skipped.
+  config.quadratic_budget_gib = 4.0
+  # A square matmul of this size: a second, shape-independent rate for context.
+  config.square_matmul_size = 2048
+
+  # Part 2, deep stacks: elsa_stack compile and run time against depth.
+  config.stack_depths = (10, 100, 1000)
+  config.stack_tokens = 256
+  config.stack_width = 64
+  config.stack_components = 2
+  # The same layers as an unrolled Python loop, for contrast (compile time
+  # grows with depth there); empty to skip.
+  config.unrolled_depths = (10, 40)
+  # Compile time is the median of this many compilations.
+  config.compile_reps = 3
+
+  # Part 3, the sweep kernel: (lambda, eta) grid x tasks x layers of the
+  # Designed form's GD stack, against elsa.ridge.gd on the same grid.
+  config.sweep_form = "designed"
+  config.sweep_n_train = 20
+  config.sweep_d = 5
+  config.sweep_n_query = 4
+  config.sweep_depth = 50
+  config.sweep_grid = 4  # grid points (lambda, eta) per call
+  config.sweep_batches = (1, 16, 256)  # tasks per grid point, by vmap
+  # How long to wait for elsa.forms to become importable (it is being
+  # written concurrently); 0 to skip part 3 when it is missing.
+  config.forms_wait_s = 0.0
+
+  if config.quick:
+    config.warmup = 1
+    config.reps = 2
+    config.min_reps = 1
+    config.max_case_s = 2.0
+    config.tokens = (64, 256)
+    config.widths = (8,)
+    config.fit_min_tokens = 64
+    config.quadratic_budget_gib = 0.01
+    config.square_matmul_size = 128
+    config.stack_depths = (2, 8)
+    config.stack_tokens = 16
+    config.stack_width = 8
+    config.unrolled_depths = (2,)
+    config.compile_reps = 1
+    config.sweep_n_train = 6
+    config.sweep_d = 3
+    config.sweep_n_query = 2
+    config.sweep_depth = 4
+    config.sweep_grid = 2
+    config.sweep_batches = (1, 4)
+  return config
