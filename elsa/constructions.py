@@ -30,6 +30,10 @@ distinct non-negative Python ints; they are checked when the parameters are
 built, and a layout that cannot work raises ``ValueError`` naming it. Array
 arguments (``c``, ``P``, ``Q``, ``scale``) may be traced (a sweep may pass
 traced step sizes).
+
+:func:`selector` and :func:`placement` build the 0/1 matrices that move
+columns or rows into place; the constructions here and the input forms in
+:mod:`elsa.forms` are assembled from them.
 """
 
 from __future__ import annotations
@@ -108,23 +112,41 @@ def _scalar(scale, dtype, fn: str) -> Array:
   return scale
 
 
-def _placement(size: int, src: Indices, dst: Indices, cols: int,
-               dtype) -> Array:
-  """``[size, cols]`` with a one at ``(src[j], dst[j])``.
+def placement(src: Indices, dst: Indices, *, shape: tuple[int, int],
+              dtype=jnp.float32) -> Array:
+  """Zeros of ``shape = (rows, cols)`` with a one at each ``(src[j], dst[j])``.
 
   As a right factor, ``x @ S`` moves column ``src[j]`` of ``x`` to column
-  ``dst[j]``; as a left factor ``S^T x`` moves row ``src[j]`` to row ``dst[j]``.
-  Everything else is zero.
+  ``dst[j]``; as a left factor, ``S^T x`` moves row ``src[j]`` to row
+  ``dst[j]``. ``src`` holds distinct ints in ``[0, rows)``, ``dst`` as many
+  distinct ints in ``[0, cols)``.
+
+  Example:
+    >>> placement([0, 2], [1, 0], shape=(3, 2)).tolist()
+    [[0.0, 1.0], [0.0, 0.0], [1.0, 0.0]]
   """
-  s = np.zeros((size, cols))
+  fn = "placement"
+  if len(shape) != 2:
+    raise ValueError(f"{fn}: shape must be (rows, cols), got {shape!r}.")
+  rows, cols = _size(shape[0], fn, "shape[0]"), _size(shape[1], fn, "shape[1]")
+  src = _indices(src, rows, fn, "src", "rows")
+  dst = _indices(dst, cols, fn, "dst", "columns")
+  _same_length(fn, "src", src, "dst", dst, "a one at (src[j], dst[j])")
+  s = np.zeros((rows, cols))
   s[list(src), list(dst)] = 1
   return jnp.asarray(s, dtype)
 
 
-def _selector(m: int, rows, dtype) -> Array:
-  """``[m, len(rows)]`` with a one at ``(rows[j], j)``: ``S^T h`` picks the rows."""
-  rows = _indices(rows, m, "selector", "rows", "rows")
-  return _placement(m, rows, range(len(rows)), len(rows), dtype)
+def selector(size: int, idx: Indices, *, dtype=jnp.float32) -> Array:
+  """``S(idx)``: ``[size, len(idx)]`` with a one at ``(idx[j], j)``.
+
+  ``S^T h`` picks the rows ``idx`` of ``h: [size, ...]`` in order, and
+  ``h S`` the columns ``idx`` of ``h: [..., size]``. ``idx`` holds distinct
+  ints in ``[0, size)``.
+  """
+  size = _size(size, "selector", "size")
+  idx = _indices(idx, size, "selector", "idx", "rows")
+  return placement(idx, range(len(idx)), shape=(size, len(idx)), dtype=dtype)
 
 
 def constant(c: Array, n: int) -> ElsaParams:
@@ -242,7 +264,7 @@ def rows_linear(rows, Q: Array, *, m: int) -> ElsaParams:
   Q = _as_float(Q, "rows_linear", "Q")
   m = _size(m, "rows_linear", "m")
   rows = _indices(rows, m, "rows_linear", "rows", "rows")
-  S = _selector(m, rows, Q.dtype)
+  S = selector(m, rows, dtype=Q.dtype)
   return linear((S, S), Q, m=m)
 
 
@@ -262,6 +284,26 @@ def _overlap_refused(fn: str, *, data: str, data_rows, data_cols, zero: str,
         f"{zero}_rows, but block {data} has cells in rows {rows} and columns "
         f"{cols}, which would then have to be zero. Put {data} in other "
         f"columns, or in the rows of {zero}.")
+
+
+def _product_sizes(fn: str, m, n, v) -> tuple[int, int, int]:
+  """``m, n`` and the output width ``v`` (default ``n``), checked."""
+  m, n = _size(m, fn, "m"), _size(n, fn, "n")
+  return m, n, n if v is None else _size(v, fn, "v")
+
+
+def _product(fn: str, *, m: int, n: int, v: int, value: tuple, scale, dtype,
+             **selectors: Array) -> ElsaParams:
+  """One component of the given selector leaves and ``W2``, all else zero.
+
+  ``selectors``: two of ``w1, w3`` (``[n, k]``) and ``b1, b3`` (``[m, k]``).
+  ``W2 = scale * placement(*value)`` (``[n, v]``) moves the value columns
+  ``value[0]`` to the output columns ``value[1]``.
+  """
+  k = next(iter(selectors.values())).shape[1]
+  w2 = _scalar(scale, dtype, fn) * placement(*value, shape=(n, v), dtype=dtype)
+  p = ElsaParams.zeros(m=m, n=n, k=k, v=v, dtype=dtype)
+  return p._replace(w2=w2, **selectors)
 
 
 def product2(*, m: int, n: int, a_cols: Indices, b_rows: Indices,
@@ -321,8 +363,7 @@ def product2(*, m: int, n: int, a_cols: Indices, b_rows: Indices,
     ...              b_cols=[2, 3], out_cols=[2, 3])  # rows 0-1: A @ B
   """
   fn = "product2"
-  m, n = _size(m, fn, "m"), _size(n, fn, "n")
-  v = n if v is None else _size(v, fn, "v")
+  m, n, v = _product_sizes(fn, m, n, v)
   a_rows = tuple(range(m)) if a_rows is None else _indices(
       a_rows, m, fn, "a_rows", "rows")
   a_cols = _indices(a_cols, n, fn, "a_cols", "columns")
@@ -335,12 +376,9 @@ def product2(*, m: int, n: int, a_cols: Indices, b_rows: Indices,
                "the columns of A @ B")
   _overlap_refused(fn, data="B", data_rows=b_rows, data_cols=b_cols, zero="a",
                    zero_rows=a_rows, zero_cols=a_cols)
-  k = len(a_cols)
-  p = ElsaParams.zeros(m=m, n=n, k=k, v=v, dtype=dtype)
-  return p._replace(
-      w3=_placement(n, a_cols, range(k), k, dtype),
-      b1=_placement(m, b_rows, range(k), k, dtype),
-      w2=_scalar(scale, dtype, fn) * _placement(n, b_cols, out_cols, v, dtype))
+  return _product(fn, m=m, n=n, v=v, value=(b_cols, out_cols), scale=scale,
+                  dtype=dtype, w3=selector(n, a_cols, dtype=dtype),
+                  b1=selector(m, b_rows, dtype=dtype))
 
 
 def gram(*, m: int, n: int, b_cols: Indices, c_cols: Indices,
@@ -380,8 +418,7 @@ def gram(*, m: int, n: int, b_cols: Indices, c_cols: Indices,
       or the lengths do not match.
   """
   fn = "gram"
-  m, n = _size(m, fn, "m"), _size(n, fn, "n")
-  v = n if v is None else _size(v, fn, "v")
+  m, n, v = _product_sizes(fn, m, n, v)
   b_cols = _indices(b_cols, n, fn, "b_cols", "columns")
   c_cols = _indices(c_cols, n, fn, "c_cols", "columns")
   out_rows = _indices(out_rows, m, fn, "out_rows", "rows")
@@ -390,12 +427,9 @@ def gram(*, m: int, n: int, b_cols: Indices, c_cols: Indices,
                "row j of B^T C lands on token out_rows[j]")
   _same_length(fn, "c_cols", c_cols, "out_cols", out_cols,
                "the columns of B^T C")
-  k = len(b_cols)
-  p = ElsaParams.zeros(m=m, n=n, k=k, v=v, dtype=dtype)
-  return p._replace(
-      w1=_placement(n, b_cols, range(k), k, dtype),
-      b3=_placement(m, out_rows, range(k), k, dtype),
-      w2=_scalar(scale, dtype, fn) * _placement(n, c_cols, out_cols, v, dtype))
+  return _product(fn, m=m, n=n, v=v, value=(c_cols, out_cols), scale=scale,
+                  dtype=dtype, w1=selector(n, b_cols, dtype=dtype),
+                  b3=selector(m, out_rows, dtype=dtype))
 
 
 def product3(*, m: int, n: int, a_cols: Indices, b_cols: Indices,
@@ -457,8 +491,7 @@ def product3(*, m: int, n: int, a_cols: Indices, b_cols: Indices,
       force cells of a block to zero).
   """
   fn = "product3"
-  m, n = _size(m, fn, "m"), _size(n, fn, "n")
-  v = n if v is None else _size(v, fn, "v")
+  m, n, v = _product_sizes(fn, m, n, v)
   all_rows = tuple(range(m))
   a_rows = all_rows if a_rows is None else _indices(a_rows, m, fn, "a_rows",
                                                     "rows")
@@ -477,12 +510,9 @@ def product3(*, m: int, n: int, a_cols: Indices, b_cols: Indices,
                      zero="a", zero_rows=a_rows, zero_cols=a_cols)
     _overlap_refused(fn, data="A", data_rows=a_rows, data_cols=a_cols,
                      zero="bc", zero_rows=bc_rows, zero_cols=cols)
-  k = len(a_cols)
-  p = ElsaParams.zeros(m=m, n=n, k=k, v=v, dtype=dtype)
-  return p._replace(
-      w3=_placement(n, a_cols, range(k), k, dtype),
-      w1=_placement(n, b_cols, range(k), k, dtype),
-      w2=_scalar(scale, dtype, fn) * _placement(n, c_cols, out_cols, v, dtype))
+  return _product(fn, m=m, n=n, v=v, value=(c_cols, out_cols), scale=scale,
+                  dtype=dtype, w3=selector(n, a_cols, dtype=dtype),
+                  w1=selector(n, b_cols, dtype=dtype))
 
 
 def check_layout(h: Array, *, rows: Indices, cols: Indices,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from elsa.attention import Array, ElsaParams
-from elsa.forms._base import GDForm, _jitted
+from elsa.forms._base import GDForm
 
 
 class Designed(GDForm):
@@ -20,6 +20,8 @@ class Designed(GDForm):
   ``elsa_stack(form.gd_params(lam=lam, eta=eta, depth=L), form.encode(x, y,
   x_query=xq, w0=w0), return_all=True)`` holds ``w_t`` of
   :func:`elsa.ridge.gd` (same ``w0``) in state ``t`` for ``t = 0..L``.
+  Every layer of ``gd_params`` is :meth:`gd_layer`, two components (``C =
+  2``): the decayed skip and the gradient head (see :mod:`elsa.forms._base`).
 
   Args:
     n_train: examples per task ``N``.
@@ -51,7 +53,7 @@ class Designed(GDForm):
     x, y, x_query, w0 = self._check_inputs(x, y, x_query, w0)
     if w0 is None:
       w0 = jnp.zeros((*x.shape[:-2], self.d, self.n_out), x.dtype)
-    return _jitted(self, "_initial_state", x, y, x_query, w0)
+    return self._jit("_initial_state", x, y, x_query, w0)
 
   def _initial_state(self, x, y, x_query, w0) -> Array:
     return self._assemble(
@@ -59,21 +61,6 @@ class Designed(GDForm):
         x_cols_q=jnp.zeros_like(x_query), z_q=x_query, p_q=x_query @ w0,
         p_w=w0)
 
-  def gd_params(self, *, lam, eta, depth: int, dtype=None) -> ElsaParams:
-    r"""``depth`` GD layers: leaves ``[depth, 2, ...]`` for :func:`elsa.elsa_stack`.
-
-    Layer ``t`` (1-based) performs :math:`w_t = (1 - \eta_t\lambda) w_{t-1} -
-    \frac{\eta_t}{N} X^\top (X w_{t-1} - y)` with two components: the decayed
-    skip and the gradient head (see :mod:`elsa.forms._base`).
-
-    Args:
-      lam: ridge strength, a scalar; may be a traced array.
-      eta: step size, a scalar or a schedule ``[depth]``; may be traced.
-      depth: number of layers ``L >= 1`` (static).
-      dtype: dtype of every leaf; it must equal the state's dtype. Default:
-        the dtype of ``lam``/``eta`` if either is an array, else float32.
-    """
-    return self._params(lam=lam, eta=eta, depth=depth, dtype=dtype)
-
   def _gd_stack(self, lam, etas) -> ElsaParams:
+    """Every layer is :meth:`gd_layer`: ``C = 2``."""
     return self.gd_layers(lam=lam, etas=etas)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from elsa import constructions
 from elsa.attention import Array, ElsaParams
-from elsa.forms._base import GDForm, _jitted
+from elsa.forms._base import GDForm
 
 
 class Natural(GDForm):
@@ -37,6 +37,10 @@ class Natural(GDForm):
   ``form.decode_w(elsa_stack(form.gd_params(lam=lam, eta=eta, depth=L),
   form.encode(x, y, x_query=xq), return_all=True))[t] ==
   elsa.ridge.gd(x, y, lam=lam, eta=eta, steps=L)[t]`` for ``t = 0..L``.
+  ``gd_params`` has ``C = 3`` components per layer (``2`` if ``Q == 0``):
+  layer 1 is :meth:`first_layer`; layers ``2..L`` are the Designed layers,
+  padded with one zero component (exact: it adds 0) so every layer has the
+  same ``C`` for :func:`elsa.elsa_stack`.
 
   Args:
     n_train: examples per task ``N``.
@@ -65,8 +69,8 @@ class Natural(GDForm):
           "(a query inside the first layer's key/value sum acts as an example "
           "with label 0 once x_q^T w0 != 0). Use elsa.forms.Designed for a "
           "nonzero start.")
-    x, y, x_query, _ = self._check_inputs(x, y, x_query, None)
-    return _jitted(self, "_initial_state", x, y, x_query)
+    x, y, x_query, _ = self._check_inputs(x, y, x_query)
+    return self._jit("_initial_state", x, y, x_query)
 
   def _initial_state(self, x, y, x_query) -> Array:
     zeros = lambda rows: jnp.zeros((*x.shape[:-2], rows, self.n_out), x.dtype)
@@ -99,23 +103,8 @@ class Natural(GDForm):
       parts.append(self.move_queries(dtype=eta.dtype))
     return constructions.layer(*parts)
 
-  def gd_params(self, *, lam, eta, depth: int, dtype=None) -> ElsaParams:
-    r"""``depth`` GD layers: leaves ``[depth, C, ...]`` with ``C = 3`` (``2`` if ``Q == 0``).
-
-    Layer 1 is :meth:`first_layer`; layers ``2..depth`` are the Designed
-    layers, padded with one zero component (exact: it adds 0) so every layer
-    has the same ``C`` for :func:`elsa.elsa_stack`.
-
-    Args:
-      lam: ridge strength, a scalar; may be a traced array.
-      eta: step size, a scalar or a schedule ``[depth]``; may be traced.
-      depth: number of layers ``L >= 1`` (static).
-      dtype: dtype of every leaf; it must equal the state's dtype. Default:
-        the dtype of ``lam``/``eta`` if either is an array, else float32.
-    """
-    return self._params(lam=lam, eta=eta, depth=depth, dtype=dtype)
-
   def _gd_stack(self, lam, etas) -> ElsaParams:
+    """Layer 1 is :meth:`first_layer`, the rest :meth:`gd_layer` (padded)."""
     first = self.first_layer(lam=lam, eta=etas[0])
     if etas.shape[0] == 1:
       return constructions.stack(first)

@@ -42,11 +42,13 @@ learning", arXiv:2503.23814 (2025).
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from elsa import constructions
 from elsa.attention import Array, ElsaParams
-from elsa.forms._base import GDForm
+from elsa.forms._tokens import TokenForm
 
 
 def safe_alpha(x: Array, *, lam) -> Array:
@@ -82,7 +84,7 @@ def safe_alpha(x: Array, *, lam) -> Array:
   return 1 / jnp.sqrt(frob2)
 
 
-class Newton:
+class Newton(TokenForm):
   r"""Ridge regression by Newton–Schulz in an ELSA stack, from the natural tokens.
 
   ``form.decode_w(elsa_stack(form.newton_params(lam=lam, alpha=alpha,
@@ -98,10 +100,13 @@ class Newton:
       ``[..., Q]``; with ``k > 1`` ``[..., d, k]``, ``[..., Q, k]``.
 
   Attributes:
+    n_train, d, n_query, n_out: ``N``, ``d``, ``Q``, ``k``.
     m, n: token count ``N + Q + d`` and feature count ``3d + 2k``.
     setup_layers: 2, the layers that build ``A``, ``b`` and ``M_0``.
     example_rows, query_rows, m_rows; x_cols, y_cols, a_cols, mcol_cols,
     w_cols: the blocks of the layout table (python ``range`` objects).
+
+  Forms compare and hash by value (static arguments of :func:`jax.jit`).
 
   Example:
     >>> form = Newton(n_train=8, d=3, n_query=2)
@@ -113,30 +118,10 @@ class Newton:
 
   def __init__(self, *, n_train: int, d: int, n_query: int = 1,
                n_out: int = 1):
-    for arg, value, low in (("n_train", n_train, 1), ("d", d, 1),
-                            ("n_query", n_query, 0), ("n_out", n_out, 1)):
-      if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"Newton: {arg} must be an int >= {low}, got "
-                         f"{value!r}.")
-    self.n_train, self.d, self.n_query, self.n_out = n_train, d, n_query, n_out
-    N, Q, k = n_train, n_query, n_out
-    self.example_rows = range(0, N)
-    self.query_rows = range(N, N + Q)
-    self.m_rows = range(N + Q, N + Q + d)
-    self.x_cols = range(0, d)
-    self.y_cols = range(d, d + k)
-    self.a_cols = range(d + k, 2 * d + k)
-    self.mcol_cols = range(2 * d + k, 3 * d + k)
-    self.w_cols = range(3 * d + k, 3 * d + 2 * k)
-
-  def __repr__(self) -> str:
-    return (f"Newton(n_train={self.n_train}, d={self.d}, "
-            f"n_query={self.n_query}, n_out={self.n_out})")
-
-  @property
-  def m(self) -> int:
-    """Token count of a state, ``N + Q + d``."""
-    return self.n_train + self.n_query + self.d
+    super().__init__(n_train=n_train, d=d, n_query=n_query, n_out=n_out)
+    self.example_rows, self.query_rows, self.m_rows = self._row_blocks(range)
+    (self.x_cols, self.y_cols, self.a_cols, self.mcol_cols,
+     self.w_cols) = self._consecutive(range, d, n_out, d, d, n_out)
 
   @property
   def n(self) -> int:
@@ -161,8 +146,7 @@ class Newton:
       ValueError: a shape does not match.
       TypeError: ``x`` is not floating, or ``y``/``x_query`` has another dtype.
     """
-    # Same validation (and messages) as the GD forms; it reads only the sizes.
-    x, y, x_query, _ = GDForm._check_inputs(self, x, y, x_query, None)
+    x, y, x_query, _ = self._check_inputs(x, y, x_query)
     zeros = lambda rows, cols: jnp.zeros((*x.shape[:-2], rows, cols), x.dtype)
     tokens = jnp.concatenate(
         [jnp.concatenate([x, y], axis=-1),
@@ -171,44 +155,28 @@ class Newton:
     return jnp.concatenate([tokens, zeros(self.m, self.n - self.d - self.n_out)],
                            axis=-1)
 
-  def _block(self, h: Array, rows: range, cols: range, fn: str) -> Array:
-    h = jnp.asarray(h)
-    if h.ndim < 2 or h.shape[-2:] != (self.m, self.n):
-      raise ValueError(f"Newton.{fn}: h must have shape [..., m={self.m}, "
-                       f"n={self.n}], got {h.shape}.")
-    return h[..., rows.start:rows.stop, cols.start:cols.stop]
-
-  def _out(self, block: Array) -> Array:
-    return block[..., 0] if self.n_out == 1 else block
-
   def decode_w(self, h: Array) -> Array:
     """``w_t = M_t b`` from the M rows: ``[..., m, n] -> [..., d(, k)]``.
 
     Works on any leading axes, e.g. all states ``[L + 1, ..., m, n]`` of
     ``elsa_stack(..., return_all=True)``.
     """
-    return self._out(self._block(h, self.m_rows, self.w_cols, "decode_w"))
+    return self._out(self._read("decode_w", h, self.m_rows, self.w_cols))
 
   def decode_pred(self, h: Array) -> Array:
     """Query predictions ``x_q^T w_t``: ``[..., m, n] -> [..., Q(, k)]``."""
-    return self._out(self._block(h, self.query_rows, self.w_cols,
-                                 "decode_pred"))
+    return self._out(self._read("decode_pred", h, self.query_rows,
+                                self.w_cols))
 
   def decode_inverse(self, h: Array) -> Array:
     """``M_t``, the running approximation of ``A^{-1}``: ``[..., d, d]``."""
-    return self._block(h, self.m_rows, self.mcol_cols, "decode_inverse")
+    return self._read("decode_inverse", h, self.m_rows, self.mcol_cols)
 
   def decode_gram(self, h: Array) -> Array:
     """``A = X^T X / N + lam I`` as the set-up built it: ``[..., d, d]``."""
-    return self._block(h, self.m_rows, self.a_cols, "decode_gram")
+    return self._read("decode_gram", h, self.m_rows, self.a_cols)
 
   # --- parameters -----------------------------------------------------------
-
-  def _unit(self, rows: range, cols: range, *, shape, dtype) -> Array:
-    """``[shape]`` zeros with a one at ``(rows[j], cols[j])``."""
-    rows = jnp.asarray(list(rows), jnp.int32)
-    cols = jnp.asarray(list(cols), jnp.int32)
-    return jnp.zeros(shape, dtype).at[rows, cols].set(1)
 
   def move_queries(self, *, alpha) -> ElsaParams:
     """Set-up layer 1, with the skip: on query rows, ``x -> 0`` and ``alpha x -> mcol``.
@@ -219,10 +187,10 @@ class Newton:
     ``u_q = x_q^T M_0 = alpha x_q^T``, and their x columns are empty so the
     Gram sum of layer 2 runs over the examples only.
     """
-    n, dtype = self.n, alpha.dtype
-    q = (alpha * self._unit(self.x_cols, self.mcol_cols, shape=(n, n),
-                            dtype=dtype)
-         - self._unit(self.x_cols, self.x_cols, shape=(n, n), dtype=dtype))
+    place = functools.partial(constructions.placement, shape=(self.n, self.n),
+                              dtype=alpha.dtype)
+    q = (alpha * place(self.x_cols, self.mcol_cols)
+         - place(self.x_cols, self.x_cols))
     return constructions.rows_linear(self.query_rows, q, m=self.m)
 
   def gram_head(self, *, lam, alpha) -> ElsaParams:
@@ -237,18 +205,17 @@ class Newton:
     the two cross terms vanish because ``B1, B2`` live on the M rows, where
     ``h`` is still zero, and after layer 1 the queries hold nothing in x.
     """
-    d, m, n, dtype = self.d, self.m, self.n, lam.dtype
+    d, m, n = self.d, self.m, self.n
+    place = functools.partial(constructions.placement, dtype=lam.dtype)
     inner = range(d)
-    on_m_rows = self._unit(self.m_rows, inner, shape=(m, d), dtype=dtype)
-    b2 = (lam * self._unit(self.m_rows, self.a_cols, shape=(m, n), dtype=dtype)
-          + alpha * self._unit(self.m_rows, self.mcol_cols, shape=(m, n),
-                               dtype=dtype))
-    p = ElsaParams.zeros(m=m, n=n, k=d, dtype=dtype)
+    on_m_rows = place(self.m_rows, inner, shape=(m, d))
+    b2 = (lam * place(self.m_rows, self.a_cols, shape=(m, n))
+          + alpha * place(self.m_rows, self.mcol_cols, shape=(m, n)))
+    p = ElsaParams.zeros(m=m, n=n, k=d, dtype=lam.dtype)
     return p._replace(
-        w1=self._unit(self.x_cols, inner, shape=(n, d), dtype=dtype),
+        w1=place(self.x_cols, inner, shape=(n, d)),
         b1=on_m_rows, b3=on_m_rows, b2=b2,
-        w2=self._unit(self.x_cols, self.a_cols, shape=(n, n),
-                      dtype=dtype) / self.n_train)
+        w2=place(self.x_cols, self.a_cols, shape=(n, n)) / self.n_train)
 
   def alpha_b_head(self, *, alpha) -> ElsaParams:
     """Set-up layer 2: ``w_0 = alpha b`` on M rows, ``p_q = alpha x_q^T b`` on queries. One component.
@@ -258,15 +225,15 @@ class Newton:
     columns: only the examples), ``V = h W2`` (``y / N`` into w), so
     ``K^T V = X^T y / N = b``; example rows have ``Q = 0``.
     """
-    d, m, n, dtype = self.d, self.m, self.n, alpha.dtype
+    d, m, n = self.d, self.m, self.n
+    place = functools.partial(constructions.placement, dtype=alpha.dtype)
     inner = range(d)
-    p = ElsaParams.zeros(m=m, n=n, k=d, dtype=dtype)
+    p = ElsaParams.zeros(m=m, n=n, k=d, dtype=alpha.dtype)
     return p._replace(
-        w3=self._unit(self.mcol_cols, inner, shape=(n, d), dtype=dtype),
-        b3=alpha * self._unit(self.m_rows, inner, shape=(m, d), dtype=dtype),
-        w1=self._unit(self.x_cols, inner, shape=(n, d), dtype=dtype),
-        w2=self._unit(self.y_cols, self.w_cols, shape=(n, n),
-                      dtype=dtype) / self.n_train)
+        w3=place(self.mcol_cols, inner, shape=(n, d)),
+        b3=alpha * place(self.m_rows, inner, shape=(m, d)),
+        w1=place(self.x_cols, inner, shape=(n, d)),
+        w2=place(self.y_cols, self.w_cols, shape=(n, n)) / self.n_train)
 
   def newton_skip(self, *, dtype) -> ElsaParams:
     """``h -> h diag(s)``: ``s = 2`` on mcol, 1 elsewhere. One component."""
@@ -302,8 +269,8 @@ class Newton:
 
   def setup_params(self, *, lam, alpha, dtype=None) -> ElsaParams:
     """The two set-up layers, leaves ``[2, C, ...]`` (arguments as :meth:`newton_params`)."""
-    lam, alpha = self._scalars(lam=lam, alpha=alpha, dtype=dtype,
-                               fn="setup_params")
+    lam, alpha = self._lam_alpha("setup_params", lam=lam, alpha=alpha,
+                                 dtype=dtype)
     skip = constructions.identity(self.m, self.n, dtype=lam.dtype)
     first = [skip] + ([self.move_queries(alpha=alpha)] if self.n_query else [])
     return constructions.stack(
@@ -353,11 +320,9 @@ class Newton:
         scalar, or a concrete ``alpha <= 0``.
       TypeError: ``dtype`` is not floating.
     """
-    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-      raise ValueError(f"Newton.newton_params: depth must be an int >= 0, got "
-                       f"{depth!r}.")
-    lam, alpha = self._scalars(lam=lam, alpha=alpha, dtype=dtype,
-                               fn="newton_params")
+    self._check_int(self._name("newton_params"), "depth", depth, low=0)
+    lam, alpha = self._lam_alpha("newton_params", lam=lam, alpha=alpha,
+                                 dtype=dtype)
     setup = self.setup_params(lam=lam, alpha=alpha)
     if depth == 0:
       return setup
@@ -365,20 +330,13 @@ class Newton:
     steps = ElsaParams(*(jnp.broadcast_to(a, (depth, *a.shape)) for a in step))
     return constructions.stack(setup, steps)
 
-  def _scalars(self, *, lam, alpha, dtype, fn: str):
+  def _lam_alpha(self, method: str, *, lam, alpha, dtype):
     """``lam, alpha`` as scalar arrays of one floating dtype, validated."""
-    fn = f"Newton.{fn}"
-    if dtype is None:
-      # Arrays (also tracers) carry a dtype; plain Python numbers do not.
-      typed = [a for a in (lam, alpha) if hasattr(a, "dtype")]
-      dtype = jnp.result_type(*typed) if typed else jnp.float32
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(f"{fn}: dtype must be floating, got {dtype}.")
-    for name, value in (("lam", lam), ("alpha", alpha)):
-      if jnp.ndim(value) != 0:
-        raise ValueError(f"{fn}: {name} must be a scalar, got shape "
-                         f"{jnp.shape(value)}; vmap over it instead.")
+    dtype = self._float_dtype(method, dtype, lam, alpha)
+    lam = self._scalar(method, "lam", lam, dtype)
+    scalar_alpha = self._scalar(method, "alpha", alpha, dtype)
     if isinstance(alpha, (int, float)) and not alpha > 0:
-      raise ValueError(f"{fn}: alpha must be > 0 (M_0 = alpha I; converges "
-                       f"for 0 < alpha < 2 / lambda_max(A)), got {alpha}.")
-    return jnp.asarray(lam, dtype), jnp.asarray(alpha, dtype)
+      raise ValueError(f"{self._name(method)}: alpha must be > 0 (M_0 = alpha "
+                       f"I; converges for 0 < alpha < 2 / lambda_max(A)), got "
+                       f"{alpha}.")
+    return lam, scalar_alpha

@@ -1,0 +1,195 @@
+"""What every input form shares: sizes, equality, task and state checks.
+
+A form lays a ridge task (``x: [N, d]``, ``y: [N, k]``, queries ``x_q:
+[Q, d]``) out as ``m = N + Q + d`` tokens; the feature count ``n`` and the
+column blocks are the subclass's (:class:`~elsa.forms.GDForm`,
+:class:`~elsa.forms.Newton`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+
+from elsa.attention import Array
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jitted(form: "TokenForm", method: str, *args):
+  """``form.method(*args)`` compiled once per form and shape: eager callers
+  would otherwise compile each of the many small ops separately."""
+  return getattr(form, method)(*args)
+
+
+class TokenForm:
+  """Base of the input forms: the sizes and what does not depend on the columns.
+
+  Subclasses name the token blocks (:meth:`_row_blocks`), set their column
+  blocks (:meth:`_consecutive`) and the feature count ``n``.
+
+  Attributes:
+    n_train, d, n_query, n_out: ``N``, ``d``, ``Q``, ``k``.
+    m: token count ``N + Q + d``.
+
+  Forms compare and hash by type and sizes, so they can be static arguments
+  of :func:`jax.jit`.
+  """
+
+  def __init__(self, *, n_train: int, d: int, n_query: int = 1,
+               n_out: int = 1):
+    for arg, value, low in (("n_train", n_train, 1), ("d", d, 1),
+                            ("n_query", n_query, 0), ("n_out", n_out, 1)):
+      self._check_int(type(self).__name__, arg, value, low=low)
+    self.n_train, self.d, self.n_query, self.n_out = n_train, d, n_query, n_out
+
+  @property
+  def m(self) -> int:
+    """Token count of a state, ``N + Q + d``."""
+    return self.n_train + self.n_query + self.d
+
+  @property
+  def n(self) -> int:
+    """Feature count of a state (set by the subclass)."""
+    raise NotImplementedError
+
+  def _key(self) -> tuple:
+    return (type(self), self.n_train, self.d, self.n_query, self.n_out)
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, TokenForm) and self._key() == other._key()
+
+  def __hash__(self) -> int:
+    return hash(self._key())
+
+  def __repr__(self) -> str:
+    return (f"{type(self).__name__}(n_train={self.n_train}, d={self.d}, "
+            f"n_query={self.n_query}, n_out={self.n_out})")
+
+  def _row_blocks(self, block) -> list:
+    """The token blocks ``[N examples | Q queries | d rows]``, each
+    ``block(start, stop)`` (``slice`` or ``range``)."""
+    return self._consecutive(block, self.n_train, self.n_query, self.d)
+
+  @staticmethod
+  def _consecutive(block, *sizes: int) -> list:
+    """Blocks of ``sizes`` side by side from 0, each ``block(start, stop)``.
+
+    ``block`` is ``slice`` or ``range``, e.g. ``(slice, 2, 3)`` gives
+    ``[slice(0, 2), slice(2, 5)]``.
+    """
+    stops = list(itertools.accumulate(sizes))
+    return [block(stop - size, stop) for size, stop in zip(sizes, stops)]
+
+  def _jit(self, method: str, *args):
+    """``self.method(*args)`` under :func:`jax.jit`, ``self`` static."""
+    return _jitted(self, method, *args)
+
+  # --- validation -------------------------------------------------------------
+
+  def _name(self, method: str) -> str:
+    """How error messages name ``method``: ``"Designed.encode"``."""
+    return f"{type(self).__name__}.{method}"
+
+  @staticmethod
+  def _shape_error(fn: str, arg: str, want: str, got) -> ValueError:
+    return ValueError(f"{fn}: {arg} must have shape {want}, got {tuple(got)}.")
+
+  @staticmethod
+  def _check_int(fn: str, arg: str, value, *, low: int) -> int:
+    """``value`` if it is an int (not a bool) ``>= low``, else ValueError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+      raise ValueError(f"{fn}: {arg} must be an int >= {low}, got {value!r}.")
+    return value
+
+  def _float_dtype(self, method: str, dtype, *values):
+    """``dtype``; if ``None``, the result type of those ``values`` that are
+    arrays (also tracers), else float32. TypeError unless floating."""
+    if dtype is None:
+      # Arrays (also tracers) carry a dtype; plain Python numbers do not.
+      typed = [a for a in values if hasattr(a, "dtype")]
+      dtype = jnp.result_type(*typed) if typed else jnp.float32
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(f"{self._name(method)}: dtype must be floating, got "
+                      f"{dtype}.")
+    return dtype
+
+  def _scalar(self, method: str, arg: str, value, dtype) -> Array:
+    """``value`` as a 0-d array of ``dtype``; ``ValueError`` if it has axes."""
+    if jnp.ndim(value) != 0:
+      raise ValueError(f"{self._name(method)}: {arg} must be a scalar, got "
+                       f"shape {jnp.shape(value)}; vmap over it instead.")
+    return jnp.asarray(value, dtype)
+
+  def _check_state(self, method: str, h) -> Array:
+    """``h`` as an array of shape ``[..., m, n]``, else ``ValueError``."""
+    h = jnp.asarray(h)
+    if h.ndim < 2 or h.shape[-2:] != (self.m, self.n):
+      raise self._shape_error(self._name(method), "h",
+                              f"[..., m={self.m}, n={self.n}]", h.shape)
+    return h
+
+  def _read(self, method: str, h, rows, cols) -> Array:
+    """The block ``h[..., rows, cols]`` of a checked state; ``rows`` and
+    ``cols`` are contiguous blocks (``slice`` or ``range``)."""
+    h = self._check_state(method, h)
+    return h[..., rows.start:rows.stop, cols.start:cols.stop]
+
+  def _out(self, block: Array) -> Array:
+    """Drops the target axis of ``[..., *, k]`` when ``k == 1``."""
+    return block[..., 0] if self.n_out == 1 else block
+
+  def _check_inputs(self, x, y, x_query, w0=None):
+    """Validates the task; returns ``x, y [..., N, k], x_query, w0 [..., d, k]``
+    with ``x_query``/``w0`` broadcast to the batch shape of ``x`` (``w0`` may be
+    ``None``)."""
+    fn = self._name("encode")
+    N, d, Q, k = self.n_train, self.d, self.n_query, self.n_out
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{fn}: x must have a floating dtype, got {x.dtype}.")
+    if x.ndim < 2 or x.shape[-2:] != (N, d):
+      raise self._shape_error(fn, "x", f"[..., N={N}, d={d}]", x.shape)
+    batch = x.shape[:-2]
+
+    def same_dtype(arg, a):
+      a = jnp.asarray(a)
+      if a.dtype != x.dtype:
+        raise TypeError(f"{fn}: {arg} has dtype {a.dtype} but x has dtype "
+                        f"{x.dtype}; cast one of them explicitly.")
+      return a
+
+    y = same_dtype("y", y)
+    if k == 1 and y.shape == (*batch, N):
+      y = y[..., None]
+    if y.shape != (*batch, N, k):
+      want = f"{(*batch, N)} or " if k == 1 else ""
+      raise self._shape_error(fn, "y", f"{want}{(*batch, N, k)} (x has shape "
+                              f"{x.shape}, n_out={k})", y.shape)
+
+    def broadcast(arg, a, tail, want):
+      if a.ndim < len(tail) or a.shape[a.ndim - len(tail):] != tail:
+        raise self._shape_error(fn, arg, want, a.shape)
+      try:
+        return jnp.broadcast_to(a, (*batch, *tail))
+      except ValueError:
+        raise self._shape_error(fn, arg, f"{want} with leading axes "
+                                f"broadcastable to x's {batch}",
+                                a.shape) from None
+
+    if x_query is None:
+      if Q:
+        raise ValueError(f"{fn}: x_query is required with n_query={Q}; pass "
+                         f"an array of shape [..., {Q}, {d}].")
+      x_query = jnp.zeros((*batch, 0, d), x.dtype)
+    x_query = broadcast("x_query", same_dtype("x_query", x_query), (Q, d),
+                        f"[..., Q={Q}, d={d}]")
+    if w0 is not None:
+      w0 = same_dtype("w0", w0)
+      if k == 1 and w0.ndim >= 1 and w0.shape[-1] == d:
+        w0 = w0[..., None]
+      w0 = broadcast("w0", w0, (d, k), f"[..., d={d}]" if k == 1
+                     else f"[..., d={d}, k={k}]")
+    return x, y, x_query, w0
