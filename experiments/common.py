@@ -8,6 +8,7 @@ is renamed into place, so an interrupted run never leaves a half-written file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -34,9 +35,21 @@ def _atomic_write(path: str, write) -> None:
     raise
 
 
+def _finite_or_none(obj: Any) -> Any:
+  """``obj`` with every non-finite float replaced by ``None`` (JSON has no NaN)."""
+  if isinstance(obj, float):
+    return obj if math.isfinite(obj) else None
+  if isinstance(obj, dict):
+    return {k: _finite_or_none(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [_finite_or_none(v) for v in obj]
+  return obj
+
+
 def write_json(path: str, obj: Any) -> None:
-  """Writes ``obj`` as indented JSON, atomically."""
-  data = json.dumps(obj, indent=2, sort_keys=True).encode()
+  """Writes ``obj`` as indented, strict JSON (NaN and inf become null), atomically."""
+  data = json.dumps(_finite_or_none(obj), indent=2, sort_keys=True,
+                    allow_nan=False).encode()
   _atomic_write(path, lambda f: f.write(data))
 
 
