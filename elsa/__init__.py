@@ -4,9 +4,9 @@ Reference: Hagiwara, "An extension of linear self-attention for in-context
 learning", arXiv:2503.23814 (2025).
 """
 
-from elsa import constructions, forms, ridge
+from elsa import constructions, forms, nn, ridge, training
 from elsa.attention import ElsaParams, elsa, elsa_layer, elsa_stack, lsa
 
 __all__ = ["ElsaParams", "constructions", "elsa", "elsa_layer", "elsa_stack",
-           "forms", "lsa", "ridge"]
+           "forms", "lsa", "nn", "ridge", "training"]
 __version__ = "0.1.0"

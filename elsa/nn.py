@@ -1,0 +1,227 @@
+"""Flax NNX modules around the pure ELSA functions, with an exact round trip to ``ElsaParams``.
+
+Three modules, one per level of :mod:`elsa.attention`:
+
+==============  =====================  ==============================
+module          leaves                 computes
+==============  =====================  ==============================
+``Elsa``        ``[...]``              ``elsa.elsa(params, h)``
+``ElsaLayer``   ``[C, ...]``           ``elsa.elsa_layer(params, h)``
+``ElsaStack``   ``[L, C, ...]``        ``elsa.elsa_stack(params, h)``
+==============  =====================  ==============================
+
+The modules hold the six leaves of :class:`elsa.ElsaParams` as variables and
+call the pure functions on them; there is no second copy of the formula. The
+stack holds its parameters with a leading layer axis and the pure
+:func:`elsa.elsa_stack` scans over it, so compile time stays flat in depth.
+
+Structural choices are switches, not code paths:
+
+* ``use_bias=False``: no biases are held; the module computes LSA (the biases
+  it exports are zeros, and ``elsa`` with zero biases is ``lsa`` exactly).
+* ``tied=True`` (stack only): one layer's parameters, looped ``depth`` times;
+  gradients add up over the layers that share them.
+* ``frozen``: names of leaves held as :class:`Frozen` variables, not
+  :class:`flax.nnx.Param`, so an optimiser over ``nnx.Param`` leaves them be.
+* ``mask``: an ``ElsaParams`` of 0/1 arrays (broadcast to the leaves, or
+  ``None`` per leaf); masked entries are multiplied by zero in every call and
+  in the export, so they are structurally zero and get zero gradient.
+
+Round trip: ``ElsaStack.from_params(p)(h) == elsa.elsa_stack(p, h)`` and
+``ElsaStack.from_params(p).to_params() == p`` (bitwise), and likewise for the
+other two modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from elsa.attention import Array, ElsaParams, elsa, elsa_layer, elsa_stack, lsa
+
+_BIASES = ("b1", "b2", "b3")
+
+
+class Frozen(nnx.Variable):
+  """A parameter block held fixed in training (not an ``nnx.Param``)."""
+
+
+class Mask(nnx.Variable):
+  """A 0/1 structural mask multiplied into a parameter block (never trained)."""
+
+
+class _ElsaBlock(nnx.Module):
+  """Holds ``ElsaParams`` leaves with ``len(lead_axes)`` leading axes; the switches."""
+
+  lead_axes: tuple[str, ...] = ()
+
+  def __init__(self, params: ElsaParams, *, use_bias: bool = True,
+               frozen: Iterable[str] = (), mask: ElsaParams | None = None):
+    if not isinstance(params, ElsaParams):
+      raise TypeError(f"{type(self).__name__}: params must be an ElsaParams, "
+                      f"got {type(params).__name__}.")
+    rank = len(self.lead_axes) + 2
+    for name, leaf in zip(ElsaParams._fields, params):
+      if jnp.ndim(leaf) != rank:
+        axes = ", ".join((*self.lead_axes, "rows", "cols"))
+        raise ValueError(f"{type(self).__name__}: params.{name} must have rank "
+                         f"{rank} [{axes}], got shape {jnp.shape(leaf)}.")
+    frozen = tuple(frozen)
+    unknown = set(frozen) - set(ElsaParams._fields)
+    if unknown:
+      raise ValueError(f"{type(self).__name__}: frozen names {sorted(unknown)} "
+                       f"are not leaves of ElsaParams {ElsaParams._fields}.")
+    self.use_bias = use_bias
+    self.frozen = frozen
+    # A tuple, not a dict: static attributes must hash (jit static args).
+    self._shapes = tuple(tuple(jnp.shape(leaf)) for leaf in params)
+    self._dtype = jnp.result_type(params.w1)
+    for name, leaf in zip(ElsaParams._fields, params):
+      if name in _BIASES and not use_bias:
+        continue
+      kind = Frozen if name in frozen else nnx.Param
+      setattr(self, name, kind(jnp.asarray(leaf)))
+    mask = ElsaParams(*([None] * 6)) if mask is None else mask
+    for name, leaf in zip(ElsaParams._fields, mask):
+      if leaf is not None:
+        leaf = jnp.asarray(leaf, self._dtype)
+        try:
+          jnp.broadcast_shapes(jnp.shape(leaf), self._shape(name))
+        except ValueError:
+          raise ValueError(
+              f"{type(self).__name__}: mask.{name} of shape {jnp.shape(leaf)} "
+              f"does not broadcast to params.{name} of shape "
+              f"{self._shape(name)}.") from None
+        setattr(self, f"mask_{name}", Mask(leaf))
+
+  def _shape(self, name: str) -> tuple[int, ...]:
+    return self._shapes[ElsaParams._fields.index(name)]
+
+  def _leaf(self, name: str) -> Array:
+    if name in _BIASES and not self.use_bias:
+      return jnp.zeros(self._shape(name), self._dtype)
+    value = getattr(self, name)[...]
+    mask = getattr(self, f"mask_{name}", None)
+    return value if mask is None else value * mask[...]
+
+  def _held_params(self) -> ElsaParams:
+    """The parameters as held (before any broadcast over tied layers)."""
+    return ElsaParams(*(self._leaf(name) for name in ElsaParams._fields))
+
+  def to_params(self) -> ElsaParams:
+    """The parameters this module computes with, as ``ElsaParams`` (masks applied)."""
+    return self._held_params()
+
+  @classmethod
+  def from_params(cls, params: ElsaParams, **switches):
+    """The module that computes with ``params``; ``switches`` as for ``__init__``."""
+    return cls(params, **switches)
+
+
+class Elsa(_ElsaBlock):
+  """One ELSA component, ``elsa.elsa(p, h)`` (or ``elsa.lsa`` with ``use_bias=False``).
+
+  Args:
+    params: leaves ``w1, w3: [n, k]``, ``w2: [n, v]``, ``b1, b3: [m, k]``,
+      ``b2: [m, v]``.
+    use_bias, frozen, mask: switches, see the module docstring.
+  """
+
+  lead_axes = ()
+
+  @classmethod
+  def random(cls, rngs: nnx.Rngs, *, m: int, n: int, k: int,
+             v: int | None = None, scale: float | None = None,
+             bias_scale: float | None = None, dtype=jnp.float32, **switches):
+    """Random normal parameters (``ElsaParams.init``) drawn from ``rngs.params()``."""
+    return cls(ElsaParams.init(rngs.params(), m=m, n=n, k=k, v=v, scale=scale,
+                               bias_scale=bias_scale, dtype=dtype), **switches)
+
+  def __call__(self, h: Array) -> Array:
+    """``h [..., m, n] -> [..., m, v]``."""
+    fn = elsa if self.use_bias else lsa
+    return fn(self.to_params(), h)
+
+
+class ElsaLayer(_ElsaBlock):
+  """A layer of ``C`` summed components, ``elsa.elsa_layer(p, h)``; leaves ``[C, ...]``."""
+
+  lead_axes = ("C",)
+
+  @classmethod
+  def random(cls, rngs: nnx.Rngs, *, m: int, n: int, k: int,
+             components: int, scale: float | None = None,
+             bias_scale: float | None = None, dtype=jnp.float32, **switches):
+    """Random normal parameters with leaves ``[components, ...]`` (``v == n``)."""
+    return cls(ElsaParams.init(rngs.params(), m=m, n=n, k=k, lead=(components,),
+                               scale=scale, bias_scale=bias_scale, dtype=dtype),
+               **switches)
+
+  def __call__(self, h: Array) -> Array:
+    """``h [..., m, n] -> [..., m, n]``."""
+    return elsa_layer(self.to_params(), h)
+
+
+class ElsaStack(_ElsaBlock):
+  """``L`` ELSA layers, ``elsa.elsa_stack(p, h)``; leaves ``[L, C, ...]``.
+
+  Args:
+    params: leaves ``[L, C, ...]``. With ``tied``, leaves ``[1, C, ...]`` (or
+      ``[L, C, ...]`` whose layers are all equal; the first is kept).
+    tied: loop one layer's parameters ``depth`` times.
+    depth: number of layers when ``tied`` (default: ``L`` of ``params``).
+    use_bias, frozen, mask: switches, see the module docstring. With ``tied``
+      the masks broadcast against the held ``[1, C, ...]`` leaves.
+  """
+
+  lead_axes = ("L", "C")
+
+  def __init__(self, params: ElsaParams, *, tied: bool = False,
+               depth: int | None = None, **switches):
+    if not tied and depth is not None and depth != params.w1.shape[0]:
+      raise ValueError(f"ElsaStack: depth={depth} but params have "
+                       f"L={params.w1.shape[0]} layers (depth is for tied=True).")
+    depth = params.w1.shape[0] if depth is None else depth
+    if tied:
+      params = _first_layer(params)
+    super().__init__(params, **switches)
+    self.tied = tied
+    self.depth = depth
+
+  @classmethod
+  def random(cls, rngs: nnx.Rngs, *, m: int, n: int, k: int, components: int,
+             depth: int, tied: bool = False, scale: float | None = None,
+             bias_scale: float | None = None, dtype=jnp.float32, **switches):
+    """Random normal parameters with leaves ``[depth (1 if tied), components, ...]``."""
+    lead = (1 if tied else depth, components)
+    params = ElsaParams.init(rngs.params(), m=m, n=n, k=k, lead=lead,
+                             scale=scale, bias_scale=bias_scale, dtype=dtype)
+    return cls(params, tied=tied, depth=depth, **switches)
+
+  def to_params(self) -> ElsaParams:
+    """``ElsaParams`` with leaves ``[depth, C, ...]`` (tied layers repeated)."""
+    held = self._held_params()
+    if not self.tied:
+      return held
+    return jax.tree.map(
+        lambda a: jnp.broadcast_to(a, (self.depth, *a.shape[1:])), held)
+
+  def __call__(self, h: Array, *, return_all: bool = False) -> Array:
+    """``h [..., m, n] -> [..., m, n]``, or all states ``[L + 1, ..., m, n]``."""
+    return elsa_stack(self.to_params(), h, return_all=return_all)
+
+
+def _first_layer(params: ElsaParams) -> ElsaParams:
+  """Leaves ``[1, C, ...]``; checks that concrete layers are all equal."""
+  for name, leaf in zip(ElsaParams._fields, params):
+    if isinstance(leaf, jax.core.Tracer):
+      continue
+    leaf = np.asarray(leaf)
+    if not (leaf == leaf[:1]).all():
+      raise ValueError(f"ElsaStack: tied=True but params.{name} differs across "
+                       f"its {leaf.shape[0]} layers; pass one layer [1, C, ...].")
+  return ElsaParams(*(leaf[:1] for leaf in params))
