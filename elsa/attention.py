@@ -19,6 +19,7 @@ learning", arXiv:2503.23814 (2025).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -197,8 +198,20 @@ def lsa(p: ElsaParams, h: Array, *, precision=None) -> Array:
 
 
 def _layer(p: ElsaParams, h: Array, precision) -> Array:
-  per_component = jax.vmap(_elsa, in_axes=(0, None, None))(p, h, precision)
-  return per_component.sum(axis=0)
+  """``sum_c elsa(p_c, h)`` as ``h (sum_c W3_c S_c) + sum_c B3_c S_c``, ``S_c = K_c^T V_c``.
+
+  Summing the ``[n, v]`` and ``[m, v]`` pieces over components first leaves
+  one ``[m, n] @ [n, v]`` product per layer instead of one per component.
+  """
+  ein = functools.partial(jnp.einsum, precision=precision)
+  # Biases [C, m, .] line up with the batch axes of h as [C, 1.., m, .].
+  per_component = lambda b: b.reshape(b.shape[:1] + (1,) * (jnp.ndim(h) - 2)
+                                      + b.shape[1:])
+  k = ein("...mn,cnk->c...mk", h, p.w1) + per_component(p.b1)
+  v = ein("...mn,cnv->c...mv", h, p.w2) + per_component(p.b2)
+  s = ein("c...mk,c...mv->c...kv", k, v)
+  return (ein("...mn,...nv->...mv", h, ein("cnk,c...kv->...nv", p.w3, s))
+          + ein("cmk,c...kv->...mv", p.b3, s))
 
 
 def _check_square(p: ElsaParams, h: Array, fn: str) -> None:
