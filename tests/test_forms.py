@@ -242,7 +242,8 @@ def test_layout_and_params_shapes(form_cls):
   components = 2 if form_cls is forms.Designed else 3
   assert params.w1.shape[:2] == (4, components)
   assert (params.m, params.n, params.v) == (form.m, form.n, form.n)
-  assert params.w1.dtype == jnp.float32  # default for Python numbers
+  # Python numbers: JAX's default float, float64 here (x64 is on in tests).
+  assert params.w1.dtype == jnp.float64
   assert form.gd_params(lam=jnp.float64(0.1), eta=0.2,
                         depth=1).w1.dtype == jnp.float64
   assert form.gd_params(lam=0.1, eta=0.2, depth=2,
@@ -259,7 +260,7 @@ def test_scalar_targets_and_dtype_follow_x(form_cls):
   h_col = form.encode(x, y[..., None], x_query=x_query)
   assert h_vec.dtype == jnp.float32
   np.testing.assert_array_equal(h_vec, h_col)
-  params = form.gd_params(lam=0.1, eta=0.2, depth=3)
+  params = form.gd_params(lam=0.1, eta=0.2, depth=3, dtype=jnp.float32)
   hs = elsa.elsa_stack(params, h_vec, return_all=True)
   assert form.decode_w(hs).shape == (4, *batch, d)
   assert form.decode_pred(hs).shape == (4, *batch, n_query)

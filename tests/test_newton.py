@@ -198,7 +198,7 @@ def test_layout_sizes_and_decoders_on_stacked_states():
   assert form.decode_pred(h).shape == (4, 7, 3, 2)
   np.testing.assert_array_equal(form.decode_w(h)[1, 2], h[1, 2, 8:, 8:])
   params = form.newton_params(lam=0.1, alpha=0.2, depth=3)
-  assert params.w1.shape[:2] == (5, 3) and params.w1.dtype == jnp.float32
+  assert params.w1.shape[:2] == (5, 3) and params.w1.dtype == jnp.float64  # x64 default
   assert form.newton_params(lam=jnp.float64(0.1), alpha=0.2,
                             depth=0).w1.dtype == jnp.float64
 

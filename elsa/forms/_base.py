@@ -113,7 +113,8 @@ class GDForm(TokenForm):
       eta: step size, a scalar or a schedule ``[depth]``; may be traced.
       depth: number of layers ``L >= 1`` (static).
       dtype: dtype of every leaf; it must equal the state's dtype. Default:
-        the dtype of ``lam``/``eta`` if either is an array, else float32.
+        the dtype of ``lam``/``eta`` if either is an array, else JAX's default
+        float (float64 under ``jax_enable_x64``).
 
     Raises:
       ValueError: ``depth`` is not an int >= 1, ``lam`` is not a scalar, or

@@ -106,11 +106,13 @@ class TokenForm:
 
   def _float_dtype(self, method: str, dtype, *values):
     """``dtype``; if ``None``, the result type of those ``values`` that are
-    arrays (also tracers), else float32. TypeError unless floating."""
+    arrays (also tracers), else JAX's default float (float32, or float64 under
+    ``jax_enable_x64``). TypeError unless floating."""
     if dtype is None:
       # Arrays (also tracers) carry a dtype; plain Python numbers do not.
       typed = [a for a in values if hasattr(a, "dtype")]
-      dtype = jnp.result_type(*typed) if typed else jnp.float32
+      dtype = (jnp.result_type(*typed) if typed
+               else jax.dtypes.canonicalize_dtype(jnp.float64))
     if not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(f"{self._name(method)}: dtype must be floating, got "
                       f"{dtype}.")

@@ -313,7 +313,8 @@ class Newton(TokenForm):
         ``1 / ||A||_F``; ``2 / (mu_min + mu_max)`` is fastest when known.
       depth: Newton–Schulz steps ``T >= 0`` (static).
       dtype: dtype of every leaf; it must equal the state's dtype. Default:
-        the dtype of ``lam``/``alpha`` if either is an array, else float32.
+        the dtype of ``lam``/``alpha`` if either is an array, else JAX's default
+        float (float64 under ``jax_enable_x64``).
 
     Raises:
       ValueError: ``depth`` is not an int >= 0, ``lam``/``alpha`` is not a
