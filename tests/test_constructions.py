@@ -562,3 +562,29 @@ if __name__ == "__main__":
   for dtype in DTYPES:
     for name, err in _max_errors(dtype).items():
       print(f"{np.dtype(dtype).name:8s} {name:12s} max relative error {err:.2e}")
+
+
+def test_selector_and_placement_pick_and_move():
+  h = np.arange(20.0).reshape(5, 4)
+  s = C.selector(5, [3, 0], dtype=jnp.float64)
+  np.testing.assert_array_equal(np.asarray(s).T @ h, h[[3, 0]])
+  c = C.selector(4, [2], dtype=jnp.float64)
+  np.testing.assert_array_equal(h @ np.asarray(c), h[:, [2]])
+  move = C.placement([0, 3], [2, 0], shape=(4, 3),
+                                 dtype=jnp.float64)
+  moved = h @ np.asarray(move)
+  np.testing.assert_array_equal(moved[:, 2], h[:, 0])
+  np.testing.assert_array_equal(moved[:, 0], h[:, 3])
+  np.testing.assert_array_equal(moved[:, 1], 0)
+
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda: C.selector(3, [3]), "idx"),
+    (lambda: C.selector(3, [1, 1]), "idx"),
+    (lambda: C.placement([0, 1], [0], shape=(2, 2)), "src.*dst"),
+    (lambda: C.placement([0], [2], shape=(2, 2)), "dst"),
+    (lambda: C.placement([0], [0], shape=(2,)), "shape"),
+])
+def test_selector_and_placement_refuse_bad_indices(call, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    call()
