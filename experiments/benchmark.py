@@ -39,12 +39,10 @@ import time
 from typing import Any, Callable
 
 from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
-from ml_collections import config_flags
 import numpy as np
 
 import elsa
@@ -401,27 +399,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
 
 
 def main(argv):
-  del argv
-  results = run(_FLAGS["config"].value, _FLAGS["workdir"].value,
-                overwrite=_FLAGS["overwrite"].value)
-  print(format_tables(results))
-
-
-_FLAGS = {}
-
-
-def define_flags() -> None:
-  """The driver's flags, defined only when it runs as a program (so that
-  importing several drivers into one process never defines a flag twice)."""
-  _FLAGS["config"] = config_flags.DEFINE_config_file(
-      "config", "experiments/configs/benchmark.py", "Benchmark configuration.")
-  _FLAGS["workdir"] = flags.DEFINE_string("workdir", None,
-                                          "Where results.json goes.")
-  _FLAGS["overwrite"] = flags.DEFINE_bool(
-      "overwrite", False, "Measure again over an existing workdir.")
-  flags.mark_flag_as_required("workdir")
+  print(format_tables(common.run_main(argv, "benchmark", run)))
 
 
 if __name__ == "__main__":
-  define_flags()
+  common.define_flags("benchmark")
   app.run(main)

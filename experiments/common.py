@@ -14,6 +14,8 @@ import tempfile
 import time
 from typing import Any
 
+from absl import app
+from absl import flags
 from absl import logging
 import ml_collections
 
@@ -74,6 +76,10 @@ def config_dict(config: ml_collections.ConfigDict) -> dict:
   return json.loads(config.to_json_best_effort(sort_keys=True))
 
 
+class WorkdirInUse(ValueError):
+  """The workdir holds results of a different config."""
+
+
 def prepare_workdir(workdir: str, config: ml_collections.ConfigDict, *,
                     overwrite: bool = False) -> None:
   """Claims ``workdir`` for ``config``.
@@ -83,7 +89,8 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict, *,
   ``overwrite``, which deletes its results so nothing stale survives.
 
   Raises:
-    ValueError: the workdir belongs to another config and ``overwrite`` is off.
+    WorkdirInUse: the workdir belongs to another config and ``overwrite`` is
+      off.
   """
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "config.json")
@@ -92,7 +99,7 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict, *,
     if not overwrite:
       changed = sorted(k for k in set(found) | set(wanted)
                        if found.get(k) != wanted.get(k))
-      raise ValueError(
+      raise WorkdirInUse(
           f"workdir {workdir!r} holds results of a different config (fields "
           f"that differ: {', '.join(changed)}). Use another --workdir, or pass "
           "--overwrite to replace them.")
@@ -121,3 +128,42 @@ class Progress:
     eta = (self.total - self.done) / rate if rate > 0 else float("inf")
     logging.info("%s: %d/%d %s, %.3g %s/s, ETA %.0f s", self.name, self.done,
                  self.total, self.unit, rate, self.unit, eta)
+
+
+def config_path(config_name: str) -> str:
+  """``experiments/configs/<config_name>.py``, found next to this file (any cwd)."""
+  return os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                      f"{config_name}.py")
+
+
+def define_flags(config_name: str) -> None:
+  """The flags every driver takes; called only under ``__main__``.
+
+  ``--config`` (default ``experiments/configs/<config_name>.py``, overridable
+  field by field as ``--config.FIELD=VALUE``), ``--workdir`` (required) and
+  ``--overwrite``. Defining them only when a driver runs as a program lets
+  tests and notebooks import every driver into one process.
+  """
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  config_flags.DEFINE_config_file("config", default=config_path(config_name),
+                                  help_string="Config file (experiments/configs/*.py).")
+  flags.DEFINE_string("workdir", None, "Where config.json, results and figures go.",
+                      required=True)
+  flags.DEFINE_bool("overwrite", False,
+                    "Replace the results of a different config in --workdir.")
+
+
+def run_main(argv, name: str, run, **kwargs):
+  """Calls ``run(config, workdir, overwrite=..., **kwargs)`` from the flags.
+
+  A workdir that belongs to another config is the user's call, not a bug: it
+  ends the program with a one-line message instead of a traceback.
+  """
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  config = flags.FLAGS.config
+  try:
+    return run(config, flags.FLAGS.workdir, overwrite=flags.FLAGS.overwrite,
+               **kwargs)
+  except WorkdirInUse as refusal:
+    raise SystemExit(f"{name}: {refusal}") from None

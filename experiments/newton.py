@@ -24,22 +24,15 @@ from __future__ import annotations
 import math
 import os
 
-from absl import app, flags, logging
+from absl import app, logging
 import jax
 import jax.numpy as jnp
-from ml_collections import config_flags
 import numpy as np
 
 import elsa
 from elsa import ridge
 from elsa.forms.newton import Newton, safe_alpha
 from experiments import common
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder.")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False,
-                               "Replace results of a different config.")
-
 
 def spectrum_tasks(rng: np.random.Generator, *, kappa: float, count: int,
                    n_train: int, d: int, n_query: int, lam: float,
@@ -271,12 +264,10 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   jax.config.update("jax_enable_x64", True)  # the float64 run and references
-  run(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+  common.run_main(argv, "newton", run)
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["config", "workdir"])
+  common.define_flags("newton")
   app.run(main)

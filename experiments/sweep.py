@@ -337,40 +337,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   return results
 
 
-def _default_config_path() -> str:
-  return os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
-                      "sweep.py")
-
-
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if flags.FLAGS.distributed:
     jax.distributed.initialize()
-  config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
-  if jax.process_index() == 0:
-    try:
-      common.prepare_workdir(workdir, config, overwrite=flags.FLAGS.overwrite)
-    except ValueError as refusal:
-      # A used workdir is the user's call, not a bug: a message, no traceback.
-      raise SystemExit(f"sweep: {refusal}") from None
-  run(config, workdir, overwrite=flags.FLAGS.overwrite)
-
-
-def define_flags() -> None:
-  """The driver's flags; called only when run as a program."""
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  config_flags.DEFINE_config_file(
-      "config", default=_default_config_path(),
-      help_string="Sweep config file (experiments/configs/*.py).")
-  flags.DEFINE_string("workdir", None, "Where results and figures go.",
-                      required=True)
-  flags.DEFINE_bool("overwrite", False,
-                    "Replace the results of a different config in --workdir.")
-  flags.DEFINE_bool("distributed", False,
-                    "Call jax.distributed.initialize() first (multi-host).")
+  common.run_main(argv, "sweep", run)
 
 
 if __name__ == "__main__":
-  define_flags()
+  common.define_flags("sweep")
+  flags.DEFINE_bool("distributed", False,
+                    "Call jax.distributed.initialize() first (multi-host).")
   app.run(main)

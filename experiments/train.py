@@ -23,7 +23,6 @@ import time
 from typing import Any
 
 from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -279,11 +278,6 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   return results
 
 
-def _default_config_path() -> str:
-  return os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
-                      "train.py")
-
-
 def _quiet_orbax() -> None:
   """Orbax logs every checkpoint save at INFO; keep only its warnings."""
   logging.get_absl_handler().addFilter(
@@ -292,30 +286,10 @@ def _quiet_orbax() -> None:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   _quiet_orbax()
-  try:
-    run(flags.FLAGS.config, flags.FLAGS.workdir,
-        overwrite=flags.FLAGS.overwrite)
-  except ValueError as refusal:
-    if "different config" not in str(refusal):
-      raise
-    raise SystemExit(f"train: {refusal}") from None
-
-
-def define_flags() -> None:
-  """The driver's flags; called only when run as a program."""
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  config_flags.DEFINE_config_file(
-      "config", default=_default_config_path(),
-      help_string="Training config file (experiments/configs/train*.py).")
-  flags.DEFINE_string("workdir", None, "Where results and figures go.",
-                      required=True)
-  flags.DEFINE_bool("overwrite", False,
-                    "Replace the results of a different config in --workdir.")
+  common.run_main(argv, "train", run)
 
 
 if __name__ == "__main__":
-  define_flags()
+  common.define_flags("train")
   app.run(main)

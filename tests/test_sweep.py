@@ -17,6 +17,7 @@ import pytest
 
 from elsa import forms
 from elsa import ridge
+from experiments import common
 from experiments import sweep
 from experiments.configs import sweep as default_config
 from experiments.configs import sweep_tiny
@@ -185,8 +186,10 @@ def test_cli_float64_sharded_on_four_devices_equals_one_device(tmp_path):
 
 
 def test_configs_name_their_command():
-  assert sweep._default_config_path() == os.path.join(
-      REPO, "experiments", "configs", "sweep.py")
+  for driver in ("sweep", "train", "newton", "benchmark"):
+    assert common.config_path(driver) == os.path.join(
+        REPO, "experiments", "configs", f"{driver}.py")
+    assert os.path.exists(common.config_path(driver))
   for module, name in ((default_config, "sweep"), (sweep_tiny, "sweep_tiny")):
     first = module.__doc__.strip().splitlines()[0]
     assert first.startswith("python -m experiments.sweep"), first
