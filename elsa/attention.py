@@ -28,6 +28,14 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
+def float_dtype(dtype=None):
+  """``dtype`` itself, or JAX's default float when ``None``: float32, or
+  float64 under ``jax_enable_x64``. The one place the library picks a default."""
+  if dtype is None:
+    return jax.dtypes.canonicalize_dtype(jnp.float64)
+  return jnp.dtype(dtype)
+
+
 class ElsaParams(NamedTuple):
   """Parameters of ELSA components (a pytree).
 
