@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 import time
 from typing import Any
@@ -30,6 +31,10 @@ def _atomic_write(path: str, write) -> None:
       write(f)
       f.flush()
       os.fsync(f.fileno())
+    # mkstemp creates 0600; results are meant to be shared like any new file.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):
@@ -37,20 +42,20 @@ def _atomic_write(path: str, write) -> None:
     raise
 
 
-def _finite_or_none(obj: Any) -> Any:
+def finite_or_none(obj: Any) -> Any:
   """``obj`` with every non-finite float replaced by ``None`` (JSON has no NaN)."""
   if isinstance(obj, float):
     return obj if math.isfinite(obj) else None
   if isinstance(obj, dict):
-    return {k: _finite_or_none(v) for k, v in obj.items()}
+    return {k: finite_or_none(v) for k, v in obj.items()}
   if isinstance(obj, (list, tuple)):
-    return [_finite_or_none(v) for v in obj]
+    return [finite_or_none(v) for v in obj]
   return obj
 
 
 def write_json(path: str, obj: Any) -> None:
   """Writes ``obj`` as indented, strict JSON (NaN and inf become null), atomically."""
-  data = json.dumps(_finite_or_none(obj), indent=2, sort_keys=True,
+  data = json.dumps(finite_or_none(obj), indent=2, sort_keys=True,
                     allow_nan=False).encode()
   _atomic_write(path, lambda f: f.write(data))
 
@@ -80,13 +85,25 @@ class WorkdirInUse(ValueError):
   """The workdir holds results of a different config."""
 
 
+# What a driver writes into its workdir; --overwrite removes all of it.
+OUTPUTS = ("config.json", "results", "partial", "figures", "checkpoints")
+
+
+def _outputs(workdir: str) -> list[str]:
+  return [name for name in os.listdir(workdir)
+          if any(name.startswith(prefix) for prefix in OUTPUTS)]
+
+
 def prepare_workdir(workdir: str, config: ml_collections.ConfigDict, *,
                     overwrite: bool = False) -> None:
   """Claims ``workdir`` for ``config``.
 
   A fresh or matching workdir is fine (a rerun resumes or skips finished
-  work). A workdir that holds a different ``config.json`` is refused, unless
-  ``overwrite``, which deletes its results so nothing stale survives.
+  work). A workdir that holds outputs of a different config, or outputs
+  without a ``config.json`` to say whose they are, is refused unless
+  ``overwrite``, which first deletes every output (results, partial results,
+  figures, checkpoints) and only then writes the new ``config.json``: an
+  interruption in between leaves a workdir that resumes nothing stale.
 
   Raises:
     WorkdirInUse: the workdir belongs to another config and ``overwrite`` is
@@ -95,17 +112,24 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict, *,
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "config.json")
   wanted, found = config_dict(config), read_json(path)
-  if found is not None and found != wanted:
+  if found != wanted and (found is not None or _outputs(workdir)):
     if not overwrite:
-      changed = sorted(k for k in set(found) | set(wanted)
-                       if found.get(k) != wanted.get(k))
+      if found is None:
+        why = "outputs but no config.json to say which config made them"
+      else:
+        changed = sorted(k for k in set(found) | set(wanted)
+                         if found.get(k) != wanted.get(k))
+        why = ("results of a different config (fields that differ: "
+               f"{', '.join(changed)})")
       raise WorkdirInUse(
-          f"workdir {workdir!r} holds results of a different config (fields "
-          f"that differ: {', '.join(changed)}). Use another --workdir, or pass "
+          f"workdir {workdir!r} holds {why}. Use another --workdir, or pass "
           "--overwrite to replace them.")
-    for name in os.listdir(workdir):
-      if name.startswith("results") or name.startswith("partial"):
-        os.remove(os.path.join(workdir, name))
+    for name in _outputs(workdir):
+      target = os.path.join(workdir, name)
+      if os.path.isdir(target):
+        shutil.rmtree(target)
+      else:
+        os.remove(target)
   write_json(path, wanted)
 
 
@@ -115,8 +139,13 @@ class Progress:
   def __init__(self, total: int, *, name: str, unit: str = "items",
                every_s: float = 5.0):
     self.total, self.name, self.unit, self.every_s = total, name, unit, every_s
-    self.done = 0
+    self.done = self._resumed = 0
     self._start = self._last = time.perf_counter()
+
+  def resumed(self, count: int) -> None:
+    """Counts ``count`` items finished by an earlier run (not in the rate)."""
+    self.done += count
+    self._resumed += count
 
   def update(self, count: int = 1) -> None:
     self.done += count
@@ -124,7 +153,7 @@ class Progress:
     if now - self._last < self.every_s and self.done < self.total:
       return
     self._last = now
-    rate = self.done / max(now - self._start, 1e-9)
+    rate = (self.done - self._resumed) / max(now - self._start, 1e-9)
     eta = (self.total - self.done) / rate if rate > 0 else float("inf")
     logging.info("%s: %d/%d %s, %.3g %s/s, ETA %.0f s", self.name, self.done,
                  self.total, self.unit, rate, self.unit, eta)

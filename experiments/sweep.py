@@ -204,8 +204,7 @@ def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
 
 
 def _finite_or_none(value) -> float | None:
-  value = float(value)
-  return value if np.isfinite(value) else None
+  return common.finite_or_none(float(value))
 
 
 def _records(name: str, config: ml_collections.ConfigDict,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging as std_logging
 import os
-import shutil
 import time
 from typing import Any
 
@@ -78,7 +77,7 @@ def train_one(config, *, depth: int, use_bias: bool, folder: str,
     state = jax.tree.unflatten(jax.tree.structure(state), restored["state"])
     losses = np.asarray(restored["losses"])
     logging.info("%s: resumed at step %d", folder, start)
-    progress.update(start)
+    progress.resumed(start)
   key = jax.random.fold_in(jax.random.key(config.seed), 10_000 + depth)
   step = int(state.step)
   while step < config.steps:
@@ -221,11 +220,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   Returns:
     The results dict (what ``results.json`` holds).
   """
-  found = common.read_json(os.path.join(workdir, "config.json"))
   common.prepare_workdir(workdir, config, overwrite=overwrite)
-  if found is not None and found != common.config_dict(config):
-    # Overwritten: checkpoints of the old config must not be resumed.
-    shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
   done = common.read_json(os.path.join(workdir, "results.json"))
   if done is not None:
     logging.info("%s: results of this config exist; nothing to do.", workdir)
