@@ -73,9 +73,13 @@ class ElsaParams(NamedTuple):
 
   @classmethod
   def zeros(cls, *, m: int, n: int, k: int, v: int | None = None,
-            lead: tuple[int, ...] = (), dtype=jnp.float32) -> ElsaParams:
-    """All-zero parameters with leaves ``[*lead, ...]`` (``v`` defaults to ``n``)."""
+            lead: tuple[int, ...] = (), dtype=None) -> ElsaParams:
+    """All-zero parameters with leaves ``[*lead, ...]`` (``v`` defaults to ``n``).
+
+    ``dtype``: floating dtype of every leaf (default: JAX's default float).
+    """
     v = n if v is None else v
+    dtype = float_dtype(dtype)
     z = lambda *shape: jnp.zeros((*lead, *shape), dtype)
     return cls(w1=z(n, k), w2=z(n, v), w3=z(n, k),
                b1=z(m, k), b2=z(m, v), b3=z(m, k))
@@ -83,7 +87,7 @@ class ElsaParams(NamedTuple):
   @classmethod
   def init(cls, key: Array, *, m: int, n: int, k: int, v: int | None = None,
            lead: tuple[int, ...] = (), scale: float | None = None,
-           bias_scale: float | None = None, dtype=jnp.float32) -> ElsaParams:
+           bias_scale: float | None = None, dtype=None) -> ElsaParams:
     """Random normal parameters with leaves ``[*lead, ...]``.
 
     Args:
@@ -93,9 +97,10 @@ class ElsaParams(NamedTuple):
       lead: leading axes, e.g. ``(L, C)`` for a stack.
       scale: standard deviation of the weights; default ``n ** -0.5``.
       bias_scale: standard deviation of the biases; default ``scale``.
-      dtype: floating dtype of every leaf.
+      dtype: floating dtype of every leaf (default: JAX's default float).
     """
     v = n if v is None else v
+    dtype = float_dtype(dtype)
     scale = n ** -0.5 if scale is None else scale
     bias_scale = scale if bias_scale is None else bias_scale
     shapes = cls.zeros(m=m, n=n, k=k, v=v, lead=lead, dtype=dtype)
@@ -108,8 +113,13 @@ class ElsaParams(NamedTuple):
 _NAMES = ElsaParams._fields
 
 
-def _check(p: ElsaParams, h: Array, *, lead: tuple[str, ...], fn: str) -> None:
-  """Validates shapes and dtypes at trace time; ``lead`` names the leading axes."""
+def _check(p: ElsaParams, h: Array, *, lead: tuple[str, ...], fn: str,
+           names: tuple[str, ...] = _NAMES) -> None:
+  """Validates shapes and dtypes at trace time; ``lead`` names the leading axes.
+
+  Only the leaves in ``names`` are checked (:func:`lsa` ignores the biases,
+  so it checks only the weights).
+  """
   if not isinstance(p, ElsaParams):
     raise TypeError(f"{fn}: p must be an ElsaParams, got {type(p).__name__}.")
   h_dtype = jnp.result_type(h)
@@ -119,7 +129,8 @@ def _check(p: ElsaParams, h: Array, *, lead: tuple[str, ...], fn: str) -> None:
     raise ValueError(f"{fn}: h must have shape [..., m, n] (rank >= 2), got "
                      f"shape {jnp.shape(h)}.")
   rank = len(lead) + 2
-  for name, leaf in zip(_NAMES, p):
+  leaves = [(name, getattr(p, name)) for name in names]
+  for name, leaf in leaves:
     if jnp.ndim(leaf) != rank:
       axes = ", ".join((*lead, "rows", "cols"))
       raise ValueError(f"{fn}: p.{name} must have rank {rank} [{axes}], got "
@@ -132,7 +143,7 @@ def _check(p: ElsaParams, h: Array, *, lead: tuple[str, ...], fn: str) -> None:
   lead_shape = p.w1.shape[:-2]
   expected = dict(w1=(n, k), w2=(n, v), w3=(n, k), b1=(m, k), b2=(m, v),
                   b3=(m, k))
-  for name, leaf in zip(_NAMES, p):
+  for name, leaf in leaves:
     want = (*lead_shape, *expected[name])
     if jnp.shape(leaf) != want:
       raise ValueError(
@@ -167,8 +178,11 @@ def elsa(p: ElsaParams, h: Array, *, precision=None) -> Array:
     p: parameters of one component, ``w1, w3: [n, k]``, ``w2: [n, v]``,
       ``b1, b3: [m, k]``, ``b2: [m, v]``.
     h: input tokens ``[..., m, n]``; leading axes are batch and broadcast.
-    precision: passed to every matmul (``jax.lax.Precision``); use
-      ``'highest'`` on TPU for float32-exact products.
+    precision: passed to every matmul (``jax.lax.Precision``). At the
+      default, float32 matmuls on TPU and Ampere-or-newer GPUs run in
+      bfloat16/TF32; on TPU and Ampere-or-newer GPUs use
+      ``precision='highest'`` for float32-exact products (CPU is always
+      exact).
 
   Returns:
     ``[..., m, v]``, in the dtype of ``h``.
@@ -189,18 +203,19 @@ def elsa(p: ElsaParams, h: Array, *, precision=None) -> Array:
 def lsa(p: ElsaParams, h: Array, *, precision=None) -> Array:
   r"""Linear self-attention, the bias-free baseline: :math:`(hW_3)(hW_1)^\top(hW_2)`.
 
-  Takes the same ``p`` as :func:`elsa` and ignores its biases. It is a
-  homogeneous cubic: ``lsa(p, c * h) == c**3 * lsa(p, h)``.
+  Takes the same ``p`` as :func:`elsa` and ignores its biases: they are
+  neither used nor checked, so parameters laid out for another token count
+  ``m`` work. It is a homogeneous cubic: ``lsa(p, c * h) == c**3 * lsa(p, h)``.
 
   Args:
-    p: as for :func:`elsa`; ``b1, b2, b3`` are not used.
+    p: as for :func:`elsa`; ``b1, b2, b3`` are not used (any shape).
     h: ``[..., m, n]``.
     precision: passed to every matmul.
 
   Returns:
     ``[..., m, v]``.
   """
-  _check(p, h, lead=(), fn="lsa")
+  _check(p, h, lead=(), fn="lsa", names=("w1", "w2", "w3"))
   mm = lambda a, b: jnp.matmul(a, b, precision=precision)
   return _attend(mm(h, p.w3), mm(h, p.w1), mm(h, p.w2), precision)
 

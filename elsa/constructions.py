@@ -4,7 +4,8 @@ Every function returns :class:`elsa.ElsaParams` for ONE component (leaves
 without leading axes) such that ``elsa(p, h)`` equals the stated map exactly,
 for every ``h`` of the stated shape (products: for every ``h`` obeying the
 stated layout). :func:`layer` and :func:`stack` assemble components into
-layers and stacks for :func:`elsa.elsa_layer` and :func:`elsa.elsa_stack`.
+layers and stacks for :func:`elsa.elsa_layer` and :func:`elsa.elsa_stack`;
+:func:`pad_inner` widens the inner width with zeros (exactly the same map).
 
 Writing the component as ``(hW3 + B3)(hW1 + B1)^T(hW2 + B2)`` and expanding
 gives eight terms; each construction keeps exactly one of them by zeroing the
@@ -44,18 +45,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elsa.attention import Array, ElsaParams
+from elsa.attention import Array, ElsaParams, float_dtype
 
 Indices = Sequence[int]
 
 
 def _as_float(x, fn: str, name: str) -> Array:
-  """``x`` as an array; integer/bool input becomes the default float dtype."""
+  """``x`` as an array; integer/bool input becomes JAX's default float."""
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
       raise TypeError(f"{fn}: {name} must be real, got dtype {x.dtype}.")
-    x = x.astype(jnp.result_type(float))
+    x = x.astype(float_dtype())
   return x
 
 
@@ -113,13 +114,14 @@ def _scalar(scale, dtype, fn: str) -> Array:
 
 
 def placement(src: Indices, dst: Indices, *, shape: tuple[int, int],
-              dtype=jnp.float32) -> Array:
+              dtype=None) -> Array:
   """Zeros of ``shape = (rows, cols)`` with a one at each ``(src[j], dst[j])``.
 
   As a right factor, ``x @ S`` moves column ``src[j]`` of ``x`` to column
   ``dst[j]``; as a left factor, ``S^T x`` moves row ``src[j]`` to row
   ``dst[j]``. ``src`` holds distinct ints in ``[0, rows)``, ``dst`` as many
-  distinct ints in ``[0, cols)``.
+  distinct ints in ``[0, cols)``. ``dtype``: floating dtype of the result
+  (default: JAX's default float).
 
   Example:
     >>> placement([0, 2], [1, 0], shape=(3, 2)).tolist()
@@ -134,15 +136,16 @@ def placement(src: Indices, dst: Indices, *, shape: tuple[int, int],
   _same_length(fn, "src", src, "dst", dst, "a one at (src[j], dst[j])")
   s = np.zeros((rows, cols))
   s[list(src), list(dst)] = 1
-  return jnp.asarray(s, dtype)
+  return jnp.asarray(s, float_dtype(dtype))
 
 
-def selector(size: int, idx: Indices, *, dtype=jnp.float32) -> Array:
+def selector(size: int, idx: Indices, *, dtype=None) -> Array:
   """``S(idx)``: ``[size, len(idx)]`` with a one at ``(idx[j], j)``.
 
   ``S^T h`` picks the rows ``idx`` of ``h: [size, ...]`` in order, and
   ``h S`` the columns ``idx`` of ``h: [..., size]``. ``idx`` holds distinct
-  ints in ``[0, size)``.
+  ints in ``[0, size)``. ``dtype``: floating dtype of the result (default:
+  JAX's default float).
   """
   size = _size(size, "selector", "size")
   idx = _indices(idx, size, "selector", "idx", "rows")
@@ -195,7 +198,9 @@ def linear(P, Q: Array, *, m: int | None = None) -> ElsaParams:
     ``k = n``, ``B1 = [I_n; 0]`` and ``B2 = B1 Q``, which reaches every ``Q``.
     When ``m < n``, ``B1^T B2`` has rank at most ``m`` and cannot reach every
     ``Q``, so it falls back to the bias route below with ``P = I_m``
-    (``k = m``). Either way the cost is ``O(m n min(m, n))``.
+    (``k = m``). The inner width is ``k = min(m, n)``, but the cost is not
+    ``O(m n k)``: the primitive always forms ``h W2`` (``O(m n v)``), so a
+    component costs ``O(m n (k + v) + m k v)`` like any other.
   * General ``P``: the term ``B3 B1^T (h W2)`` with ``B3 B1^T = P`` and
     ``W2 = Q``. Rank condition: ``P = B3 B1^T`` with ``[m, k]`` factors
     exists if and only if ``rank(P) <= k``. Pass ``P`` as a pair ``(U, V)``
@@ -223,8 +228,11 @@ def linear(P, Q: Array, *, m: int | None = None) -> ElsaParams:
     if m < n:
       return linear(jnp.eye(m, dtype=Q.dtype), Q)
     p = ElsaParams.zeros(m=m, n=n, k=n, v=v, dtype=Q.dtype)
-    eye = jnp.eye(m, n, dtype=Q.dtype)
-    return p._replace(w3=jnp.eye(n, dtype=Q.dtype), b1=eye, b2=eye @ Q)
+    # B2 = [I_n; 0] Q = [Q; 0], placed rather than multiplied: a float32
+    # matmul may run in bf16/TF32 on accelerators and round Q.
+    return p._replace(w3=jnp.eye(n, dtype=Q.dtype),
+                      b1=jnp.eye(m, n, dtype=Q.dtype),
+                      b2=jnp.pad(Q, [(0, m - n), (0, 0)]))
   if _is_factor_pair(P):
     U, V = (jnp.asarray(f, Q.dtype) for f in P)
     if U.shape != V.shape:
@@ -242,16 +250,17 @@ def linear(P, Q: Array, *, m: int | None = None) -> ElsaParams:
   return p._replace(b3=U, b1=V, w2=Q)
 
 
-def identity(m: int, n: int, *, dtype=jnp.float32) -> ElsaParams:
+def identity(m: int, n: int, *, dtype=None) -> ElsaParams:
   """``elsa(p, h) == h`` for every ``h`` of shape ``[m, n]``: a skip connection.
 
   :func:`linear` with ``P = I``, ``Q = I``: for ``m >= n`` the term
   ``h W3 B1^T B2`` with ``W3 = I_n``, ``B1 = B2 = [I_n; 0]`` (``k = n``); for
   ``m < n`` the term ``B3 B1^T h W2`` with ``B3 = B1 = I_m``, ``W2 = I_n``
   (``k = m``). LSA cannot do this: it is a homogeneous cubic in ``h``.
+  ``dtype``: floating dtype of the parameters (default: JAX's default float).
   """
   n = _size(n, "identity", "n")
-  return linear(None, jnp.eye(n, dtype=dtype), m=m)
+  return linear(None, jnp.eye(n, dtype=float_dtype(dtype)), m=m)
 
 
 def rows_linear(rows, Q: Array, *, m: int) -> ElsaParams:
@@ -308,7 +317,7 @@ def _product(fn: str, *, m: int, n: int, v: int, value: tuple, scale, dtype,
 
 def product2(*, m: int, n: int, a_cols: Indices, b_rows: Indices,
              b_cols: Indices, out_cols: Indices, a_rows: Indices | None = None,
-             v: int | None = None, scale=1.0, dtype=jnp.float32) -> ElsaParams:
+             v: int | None = None, scale=1.0, dtype=None) -> ElsaParams:
   r"""``A @ B`` of two blocks of ``h``, landing in the rows of ``A``.
 
   For every ``h`` of shape ``[m, n]`` the component computes
@@ -351,7 +360,7 @@ def product2(*, m: int, n: int, a_cols: Indices, b_rows: Indices,
       static check below.
     v: output width (default ``n``, as a layer needs).
     scale: scalar multiplying the product; may be traced.
-    dtype: floating dtype of the parameters.
+    dtype: floating dtype of the parameters (default: JAX's default float).
 
   Raises:
     ValueError: an index set is empty, repeats an index or leaves its axis;
@@ -363,6 +372,7 @@ def product2(*, m: int, n: int, a_cols: Indices, b_rows: Indices,
     ...              b_cols=[2, 3], out_cols=[2, 3])  # rows 0-1: A @ B
   """
   fn = "product2"
+  dtype = float_dtype(dtype)
   m, n, v = _product_sizes(fn, m, n, v)
   a_rows = tuple(range(m)) if a_rows is None else _indices(
       a_rows, m, fn, "a_rows", "rows")
@@ -383,7 +393,7 @@ def product2(*, m: int, n: int, a_cols: Indices, b_rows: Indices,
 
 def gram(*, m: int, n: int, b_cols: Indices, c_cols: Indices,
          out_rows: Indices, out_cols: Indices, v: int | None = None,
-         scale=1.0, dtype=jnp.float32) -> ElsaParams:
+         scale=1.0, dtype=None) -> ElsaParams:
   r"""Gram-type product ``h[:, b_cols]^T h[:, c_cols]`` (over tokens), placed anywhere.
 
   For every ``h`` of shape ``[m, n]``:
@@ -411,13 +421,14 @@ def gram(*, m: int, n: int, b_cols: Indices, c_cols: Indices,
     out_cols: output columns, ``len(out_cols) == len(c_cols)``, in ``[0, v)``.
     v: output width (default ``n``).
     scale: scalar multiplying the product; may be traced.
-    dtype: floating dtype of the parameters.
+    dtype: floating dtype of the parameters (default: JAX's default float).
 
   Raises:
     ValueError: an index set is empty, repeats an index or leaves its axis,
       or the lengths do not match.
   """
   fn = "gram"
+  dtype = float_dtype(dtype)
   m, n, v = _product_sizes(fn, m, n, v)
   b_cols = _indices(b_cols, n, fn, "b_cols", "columns")
   c_cols = _indices(c_cols, n, fn, "c_cols", "columns")
@@ -435,7 +446,7 @@ def gram(*, m: int, n: int, b_cols: Indices, c_cols: Indices,
 def product3(*, m: int, n: int, a_cols: Indices, b_cols: Indices,
              c_cols: Indices, out_cols: Indices, a_rows: Indices | None = None,
              bc_rows: Indices | None = None, v: int | None = None, scale=1.0,
-             dtype=jnp.float32) -> ElsaParams:
+             dtype=None) -> ElsaParams:
   r"""The attention-shaped triple product ``A @ B^T @ C`` of column blocks of ``h``.
 
   For every ``h`` of shape ``[m, n]`` the component computes
@@ -482,7 +493,7 @@ def product3(*, m: int, n: int, a_cols: Indices, b_cols: Indices,
       Used only for the static check below; they need no parameter.
     v: output width (default ``n``).
     scale: scalar multiplying the product; may be traced.
-    dtype: floating dtype of the parameters.
+    dtype: floating dtype of the parameters (default: JAX's default float).
 
   Raises:
     ValueError: an index set is empty, repeats an index or leaves its axis;
@@ -491,6 +502,7 @@ def product3(*, m: int, n: int, a_cols: Indices, b_cols: Indices,
       force cells of a block to zero).
   """
   fn = "product3"
+  dtype = float_dtype(dtype)
   m, n, v = _product_sizes(fn, m, n, v)
   all_rows = tuple(range(m))
   a_rows = all_rows if a_rows is None else _indices(a_rows, m, fn, "a_rows",
@@ -549,8 +561,36 @@ def check_layout(h: Array, *, rows: Indices, cols: Indices,
         f"{np.abs(block).max():.3g}).")
 
 
-def _pad_inner(p: ElsaParams, k: int) -> ElsaParams:
-  """Pads the inner width of one component or layer to ``k`` with zeros (exact)."""
+def pad_inner(p: ElsaParams, k: int) -> ElsaParams:
+  """Zero-pads the inner width of ``p`` to ``k``: the same map, exactly.
+
+  Appends ``k - p.k`` zero columns to ``W1, W3, B1, B3`` (any leading axes:
+  one component, a layer or a stack). The new columns of ``Q = h W3 + B3``
+  and ``K = h W1 + B1`` are zero, so ``Q K^T`` and every output are
+  unchanged: the extra products are exact zeros (in floating point only
+  the order of the summation over the inner axis may differ).
+
+  Args:
+    p: ``ElsaParams`` with leaves ``[..., rows, cols]`` and inner width
+      ``p.k <= k``.
+    k: the new inner width (a static int).
+
+  Returns:
+    ``ElsaParams`` with ``w1, w3: [..., n, k]``, ``b1, b3: [..., m, k]``;
+    ``w2, b2`` unchanged.
+
+  Raises:
+    TypeError: ``p`` is not ``ElsaParams`` or ``k`` is not an int.
+    ValueError: ``k`` is not positive or is smaller than ``p.k``.
+  """
+  if not isinstance(p, ElsaParams):
+    raise TypeError(f"pad_inner: p must be an ElsaParams, got "
+                    f"{type(p).__name__}.")
+  k = _size(k, "pad_inner", "k")
+  if k < p.k:
+    raise ValueError(f"pad_inner: k={k} is smaller than the inner width "
+                     f"p.k={p.k} (w1 of shape {p.w1.shape}); padding cannot "
+                     "narrow.")
   pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, k - a.shape[-1])])
   return p._replace(w1=pad(p.w1), w3=pad(p.w3), b1=pad(p.b1), b3=pad(p.b3))
 
@@ -585,7 +625,7 @@ def layer(*components: ElsaParams) -> ElsaParams:
                        "component (leaves without leading axes).")
   _check_compatible("layer", components)
   k = max(c.k for c in components)
-  padded = [_pad_inner(c, k) for c in components]
+  padded = [pad_inner(c, k) for c in components]
   return ElsaParams(*(jnp.stack(leaves) for leaves in zip(*padded)))
 
 
@@ -616,5 +656,5 @@ def stack(*parts: ElsaParams) -> ElsaParams:
     return ElsaParams(*(jnp.pad(a, [(0, 0), (0, c - a.shape[1])]
                                 + [(0, 0)] * (a.ndim - 2)) for a in p))
 
-  parts = [pad_components(_pad_inner(p, k)) for p in parts]
+  parts = [pad_components(pad_inner(p, k)) for p in parts]
   return ElsaParams(*(jnp.concatenate(leaves) for leaves in zip(*parts)))

@@ -13,17 +13,40 @@ ELSA constructions are checked against.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from elsa.attention import float_dtype
+
 Array = jax.Array
+
+# The references must be exact on every backend: at the default precision a
+# float32 matmul runs in bf16/TF32 on TPUs and Ampere-or-newer GPUs.
+_EXACT = jax.lax.Precision.HIGHEST
+
+
+def _mm(a: Array, b: Array) -> Array:
+  return jnp.matmul(a, b, precision=_EXACT)
+
+
+def _check_floating(fn: str, x: Array) -> None:
+  if jnp.ndim(x) < 2:
+    raise ValueError(f"{fn}: x must have shape [..., N, d], got {jnp.shape(x)}.")
+  dtype = jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{fn}: x must have a floating dtype, got {dtype}; cast it "
+                    "explicitly (lam and eta are cast to the dtype of x).")
 
 
 def _check_xy(fn: str, x: Array, y: Array) -> None:
-  if jnp.ndim(x) < 2:
-    raise ValueError(f"{fn}: x must have shape [..., N, d], got {jnp.shape(x)}.")
+  """Shapes and dtypes of ``x [..., N, d]`` and ``y [..., N(, k)]``."""
+  _check_floating(fn, x)
+  if jnp.result_type(y) != jnp.result_type(x):
+    raise TypeError(f"{fn}: y has dtype {jnp.result_type(y)} but x has dtype "
+                    f"{jnp.result_type(x)}; cast one of them explicitly.")
   n_x = jnp.shape(x)[-2]
   lead = jnp.shape(x)[:-2]
   if jnp.shape(y)[:len(lead) + 1] != (*lead, n_x) or jnp.ndim(y) not in (
@@ -42,64 +65,114 @@ def normal_equations(x: Array, y: Array, *, lam) -> tuple[Array, Array]:
   """``A = X^T X / N + lam I`` ``[..., d, d]`` and ``b = X^T y / N`` ``[..., d(, k)]``."""
   _check_xy("normal_equations", x, y)
   n_train, d = jnp.shape(x)[-2:]
-  a = jnp.swapaxes(x, -1, -2) @ x / n_train
+  xt = jnp.swapaxes(x, -1, -2)
+  a = _mm(xt, x) / n_train
   a = a + jnp.asarray(lam, x.dtype)[..., None, None] * jnp.eye(d, dtype=x.dtype)
   y2, vector = _as_matrix(x, y)
-  b = jnp.swapaxes(x, -1, -2) @ y2 / n_train
+  b = _mm(xt, y2) / n_train
   return a, (b[..., 0] if vector else b)
+
+
+def _check_w(fn: str, w: Array, x: Array, y: Array) -> None:
+  """``w`` must be ``[..., d]`` (vector ``y``) or ``[..., d, k]``, batch axes
+  broadcasting with those of ``x``, in the dtype of ``x``."""
+  d = jnp.shape(x)[-1]
+  tail = (d,) if jnp.ndim(y) == jnp.ndim(x) - 1 else (d, jnp.shape(y)[-1])
+  shape = jnp.shape(w)
+  want = (*jnp.shape(x)[:-2], *tail)
+  ok = jnp.ndim(w) >= len(tail) and shape[len(shape) - len(tail):] == tail
+  if ok:
+    try:
+      jnp.broadcast_shapes(shape[:len(shape) - len(tail)], jnp.shape(x)[:-2])
+    except ValueError:
+      ok = False
+  if not ok:
+    raise ValueError(f"{fn}: w must have shape {want} (or batch axes that "
+                     f"broadcast) for x of shape {jnp.shape(x)} and y of shape "
+                     f"{jnp.shape(y)}, got {shape}.")
+  if jnp.result_type(w) != jnp.result_type(x):
+    raise TypeError(f"{fn}: w has dtype {jnp.result_type(w)} but x has dtype "
+                    f"{jnp.result_type(x)}; cast one of them explicitly.")
 
 
 def loss(w: Array, x: Array, y: Array, *, lam) -> Array:
   """The ridge objective ``L(w)`` for ``w: [..., d(, k)]``; returns ``[...]``."""
   _check_xy("loss", x, y)
+  _check_w("loss", w, x, y)
   y2, vector = _as_matrix(x, y)
   w2 = w[..., None] if vector else w
-  residual = x @ w2 - y2
+  residual = _mm(x, w2) - y2
   n_train = jnp.shape(x)[-2]
   return (0.5 * jnp.sum(residual**2, axis=(-2, -1)) / n_train
           + 0.5 * jnp.asarray(lam, x.dtype) * jnp.sum(w2**2, axis=(-2, -1)))
 
 
-# Jitted so that eager calls compile once per shape instead of once per op.
-@functools.partial(jax.jit, static_argnames=("steps",))
+def _steps(steps) -> int:
+  """``steps`` as a Python int >= 0 (numpy integers accepted)."""
+  if isinstance(steps, bool):
+    raise TypeError(f"gd: steps must be an int >= 0, got {steps!r}.")
+  try:
+    steps = operator.index(steps)
+  except TypeError:
+    raise TypeError(f"gd: steps must be an int >= 0, got {steps!r} of type "
+                    f"{type(steps).__name__}.") from None
+  if steps < 0:
+    raise ValueError(f"gd: steps must be an int >= 0, got {steps}.")
+  return steps
+
+
 def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
        ) -> Array:
   """All iterates of batch gradient descent on :func:`loss`.
 
   Args:
-    x: ``[..., N, d]``.
-    y: ``[..., N]`` or ``[..., N, k]``.
+    x: ``[..., N, d]``, floating.
+    y: ``[..., N]`` or ``[..., N, k]``, in the dtype of ``x``.
     lam: ridge strength, a scalar (may be traced).
     eta: step size, a scalar or a schedule ``[steps]`` (may be traced).
-    steps: number of steps (static).
-    w0: start ``[..., d(, k)]``; zero by default.
+    steps: number of steps (static), an int or numpy integer ``>= 0``.
+    w0: start ``[..., d(, k)]`` in the dtype of ``x``; zero by default.
 
   Returns:
     ``[steps + 1, ..., d(, k)]``: ``w_0, w_1, ..., w_steps``.
+
+  Raises:
+    ValueError: a shape does not match, or ``steps < 0``.
+    TypeError: ``x`` is not floating, ``y`` or ``w0`` has another dtype, or
+      ``steps`` is not an integer.
   """
+  return _gd(x, y, lam=lam, eta=eta, steps=_steps(steps), w0=w0)
+
+
+# Jitted so that eager calls compile once per shape instead of once per op.
+@functools.partial(jax.jit, static_argnames=("steps",))
+def _gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None
+        ) -> Array:
   _check_xy("gd", x, y)
-  if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-    raise ValueError(f"gd: steps must be an int >= 0, got {steps!r}.")
   eta = jnp.asarray(eta, x.dtype)
   if eta.shape not in ((), (steps,)):
     raise ValueError(f"gd: eta must be a scalar or a schedule of shape "
                      f"({steps},) for steps={steps}, got shape {eta.shape}.")
   etas = jnp.broadcast_to(eta, (steps,))
-  a, b = normal_equations(x, y, lam=lam)
-  vector = jnp.ndim(y) == jnp.ndim(x) - 1
-  bm = b[..., None] if vector else b
-  if w0 is not None:
+  y2, vector = _as_matrix(x, y)
+  a, b = normal_equations(x, y2, lam=lam)
+  if w0 is None:
+    w = jnp.zeros_like(b)
+  else:
     w0 = jnp.asarray(w0)
+    if w0.dtype != x.dtype:
+      raise TypeError(f"gd: w0 has dtype {w0.dtype} but x has dtype "
+                      f"{x.dtype}; cast it explicitly.")
+    want = b[..., 0].shape if vector else b.shape
     try:
-      w0 = jnp.broadcast_to(w0[..., None] if vector else w0, bm.shape)
+      w = jnp.broadcast_to(w0[..., None] if vector else w0, b.shape)
     except ValueError:
-      raise ValueError(f"gd: w0 must broadcast to {b.shape}, got shape "
+      raise ValueError(f"gd: w0 must broadcast to {want}, got shape "
                        f"{w0.shape}.") from None
-  w = jnp.zeros_like(bm) if w0 is None else w0.astype(x.dtype)
 
   def step(w, eta_t):
     # a @ w - b is the gradient of the ridge objective.
-    new = w - eta_t * (a @ w - bm)
+    new = w - eta_t * (_mm(a, w) - b)
     return new, new
 
   _, ws = jax.lax.scan(step, w, etas)
@@ -114,22 +187,20 @@ def solve(x: Array, y: Array, *, lam) -> Array:
   numerically zero eigenvalue (``lam = 0`` and ``N < d``) are dropped, which
   gives the minimum-norm solution: the limit of :func:`gd` from ``w0 = 0``.
   """
-  a, b = normal_equations(x, y, lam=lam)
+  _check_xy("solve", x, y)
+  y2, vector = _as_matrix(x, y)
+  a, b = normal_equations(x, y2, lam=lam)
   evals, evecs = jnp.linalg.eigh(a)
   tol = evals[..., -1:] * a.shape[-1] * jnp.finfo(a.dtype).eps
   inv = jnp.where(evals > tol, 1 / jnp.where(evals > tol, evals, 1), 0)
-  vector = b.ndim == a.ndim - 1
-  bm = b[..., None] if vector else b
-  w = evecs @ (inv[..., None] * (jnp.swapaxes(evecs, -1, -2) @ bm))
+  w = _mm(evecs, inv[..., None] * _mm(jnp.swapaxes(evecs, -1, -2), b))
   return w[..., 0] if vector else w
 
 
 def stability_limit(x: Array, *, lam) -> Array:
   """``2 / (lambda_max(X^T X / N) + lam)``: GD converges iff ``0 < eta <`` this. ``[...]``."""
-  if jnp.ndim(x) < 2:
-    raise ValueError(f"stability_limit: x must have shape [..., N, d], got "
-                     f"{jnp.shape(x)}.")
-  gram = jnp.swapaxes(x, -1, -2) @ x / jnp.shape(x)[-2]
+  _check_floating("stability_limit", x)
+  gram = _mm(jnp.swapaxes(x, -1, -2), x) / jnp.shape(x)[-2]
   return 2 / (jnp.linalg.eigvalsh(gram)[..., -1] + jnp.asarray(lam, x.dtype))
 
 
@@ -149,7 +220,7 @@ class Task(NamedTuple):
 def sample_tasks(key: Array, *, batch: int, n_train: int, d: int,
                  n_query: int = 1, n_out: int | None = None,
                  noise: float = 0.0, x_scale: float = 1.0, w_scale: float = 1.0,
-                 x_cov: Array | None = None, dtype=jnp.float32) -> Task:
+                 x_cov: Array | None = None, dtype=None) -> Task:
   """Random linear-regression tasks: ``y = x w_true + noise * eps``.
 
   Args:
@@ -160,17 +231,21 @@ def sample_tasks(key: Array, *, batch: int, n_train: int, d: int,
     x_scale: inputs are ``x_scale * L z`` with ``z`` standard normal.
     w_scale: ``w_true`` is ``w_scale`` times standard normal.
     x_cov: optional input covariance ``[d, d]`` (``L`` its Cholesky factor).
-    dtype: floating dtype of every array.
+    dtype: floating dtype of every array (default: JAX's default float).
   """
+  dtype = float_dtype(dtype)
   kx, kq, kw, kn, knq = jax.random.split(key, 5)
   out = () if n_out is None else (n_out,)
   chol = (jnp.eye(d, dtype=dtype) if x_cov is None
           else jnp.linalg.cholesky(jnp.asarray(x_cov, dtype)))
-  draw_x = lambda k, rows: x_scale * jax.random.normal(
-      k, (batch, rows, d), dtype) @ chol.T
+  # Exact products (as in the references): x and the noise-free labels are
+  # then the same on every backend.
+  draw_x = lambda k, rows: _mm(
+      x_scale * jax.random.normal(k, (batch, rows, d), dtype), chol.T)
   x, x_query = draw_x(kx, n_train), draw_x(kq, n_query)
   w_true = w_scale * jax.random.normal(kw, (batch, d, *out), dtype)
-  label = lambda xs, k: jnp.einsum("bnd,bd...->bn...", xs, w_true) + (
+  label = lambda xs, k: jnp.einsum("bnd,bd...->bn...", xs, w_true,
+                                   precision=_EXACT) + (
       noise * jax.random.normal(k, (batch, xs.shape[1], *out), dtype))
   return Task(x=x, y=label(x, kn), x_query=x_query, y_query=label(x_query, knq),
               w_true=w_true)

@@ -199,7 +199,8 @@ def test_layer_and_stack_validation():
     elsa.elsa_layer(p, h)
   with pytest.raises(ValueError, match=r"rank 4 \[L, C, rows, cols\]"):
     elsa.elsa_stack(layer, h)
-  narrow = ElsaParams.init(jax.random.key(0), m=5, n=4, k=3, v=2, lead=(1, 1))
+  narrow = ElsaParams.init(jax.random.key(0), m=5, n=4, k=3, v=2, lead=(1, 1),
+                           dtype=jnp.float32)
   with pytest.raises(ValueError, match=r"v == n == 4.*\(1, 1, 4, 2\)"):
     elsa.elsa_stack(narrow, h)
   mixed = layer._replace(b3=jnp.concatenate([layer.b3, layer.b3]))
@@ -248,3 +249,41 @@ def test_bfloat16_stays_bfloat16():
                                                        n=4, k=2, v=4,
                                                        dtype=jnp.bfloat16))),
                          h).dtype == jnp.bfloat16
+
+
+def test_lsa_checks_only_the_weights():
+  """DESIGN: lsa ignores biases, so params laid out for another m are fine."""
+  rng = np.random.default_rng(30)
+  n, k, v = 4, 3, 5
+  p = random_params(rng, 6, n, k, v, jnp.float64)  # biases for m = 6
+  for m in (2, 9):
+    h = jnp.asarray(rng.normal(size=(m, n)))
+    got = elsa.lsa(p, h)
+    assert got.shape == (m, v)
+    assert rel_err(got, np_elsa(p, h, bias=False)) < F64_RTOL
+    with pytest.raises(ValueError, match=r"p.b1 must have shape"):
+      elsa.elsa(p, h)  # elsa uses the biases, so it still refuses them
+  # Biases of another rank or dtype are ignored too.
+  odd = p._replace(b1=jnp.zeros(3, jnp.int32), b3=None)
+  h = jnp.asarray(rng.normal(size=(6, n)))
+  np.testing.assert_array_equal(elsa.lsa(odd, h), elsa.lsa(p, h))
+  # The weights are still checked: shape, rank and dtype.
+  with pytest.raises(ValueError, match=r"p.w3 must have shape \(4, 3\)"):
+    elsa.lsa(p._replace(w3=p.w3[:, :2]), h)
+  with pytest.raises(ValueError, match=r"p.w2 must have rank 2"):
+    elsa.lsa(p._replace(w2=p.w2[None]), h)
+  with pytest.raises(TypeError, match=r"p.w1 has dtype float32"):
+    elsa.lsa(p._replace(w1=p.w1.astype(jnp.float32)), h)
+
+
+def test_default_dtype_is_jax_default_float():
+  """float32 by default, float64 under jax_enable_x64 (on in the tests)."""
+  assert elsa.attention.float_dtype() == jnp.float64
+  assert elsa.attention.float_dtype(jnp.bfloat16) == jnp.bfloat16
+  kw = dict(m=3, n=2, k=2, lead=(2,))
+  for p in (ElsaParams.zeros(**kw), ElsaParams.init(jax.random.key(0), **kw)):
+    assert {a.dtype for a in p} == {jnp.dtype(jnp.float64)}
+  with jax.enable_x64(False):
+    assert elsa.attention.float_dtype() == jnp.float32
+    for p in (ElsaParams.zeros(**kw), ElsaParams.init(jax.random.key(0), **kw)):
+      assert {a.dtype for a in p} == {jnp.dtype(jnp.float32)}

@@ -588,3 +588,89 @@ def test_selector_and_placement_pick_and_move():
 def test_selector_and_placement_refuse_bad_indices(call, pattern):
   with pytest.raises(ValueError, match=pattern):
     call()
+
+
+# ------------------------------------------- defaults, exact assembly, padding
+
+_DEFAULT_BUILDERS = {
+    "placement": lambda: C.placement([0, 2], [1, 0], shape=(3, 2)),
+    "selector": lambda: C.selector(4, [3, 1]),
+    "identity": lambda: C.identity(3, 2),
+    "product2": lambda: C.product2(m=4, n=4, a_rows=[0, 1], a_cols=[0, 1],
+                                   b_rows=[2, 3], b_cols=[2, 3],
+                                   out_cols=[2, 3]),
+    "gram": lambda: C.gram(m=4, n=3, b_cols=[0], c_cols=[1], out_rows=[2],
+                           out_cols=[2]),
+    "product3": lambda: C.product3(m=4, n=4, a_cols=[0], b_cols=[1],
+                                   c_cols=[2], out_cols=[3]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DEFAULT_BUILDERS))
+def test_default_dtype_is_jax_default_float(name):
+  """float64 under jax_enable_x64 (the test session), float32 without it."""
+  leaves = lambda: jax.tree.leaves(_DEFAULT_BUILDERS[name]())
+  assert {a.dtype for a in leaves()} == {jnp.dtype(jnp.float64)}
+  with jax.enable_x64(False):
+    assert {a.dtype for a in leaves()} == {jnp.dtype(jnp.float32)}
+
+
+def _dot_count(fn, *args) -> int:
+  """How many matmuls (dot_general) building the parameters traces."""
+  return str(jax.make_jaxpr(fn)(*args)).count("dot_general")
+
+
+def test_parameters_are_placed_not_multiplied():
+  """No matmul builds a parameter: at default precision a float32 matmul
+  runs in bf16/TF32 on TPUs and Ampere+ GPUs and would round the entries."""
+  rng = np.random.default_rng(40)
+  f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  U, Q_tall = f32(5, 2), f32(3, 4)
+  builders = [
+      (lambda Q: C.linear(None, Q, m=5), Q_tall),       # m >= n: B2 = [Q; 0]
+      (lambda Q: C.linear(None, Q, m=2), Q_tall),       # m < n
+      (lambda P: C.linear(P, Q_tall), f32(5, 5)),
+      (lambda U: C.linear((U, U), Q_tall), U),
+      (lambda Q: C.rows_linear([1, 3], Q, m=5), Q_tall),
+      (lambda c: C.constant(c, 3), f32(5, 4)),
+      (lambda s: C.product2(m=4, n=4, a_rows=[0, 1], a_cols=[0, 1],
+                            b_rows=[2, 3], b_cols=[2, 3], out_cols=[2, 3],
+                            scale=s, dtype=jnp.float32), jnp.float32(0.3)),
+      (lambda s: C.gram(m=4, n=3, b_cols=[0, 1], c_cols=[2], out_rows=[2, 3],
+                        out_cols=[0], scale=s, dtype=jnp.float32),
+       jnp.float32(0.3)),
+      (lambda s: C.product3(m=4, n=4, a_cols=[0], b_cols=[1], c_cols=[2],
+                            out_cols=[3], scale=s, dtype=jnp.float32),
+       jnp.float32(0.3)),
+  ]
+  for i, (build, arg) in enumerate(builders):
+    assert _dot_count(build, arg) == 0, i
+  assert _dot_count(lambda: C.identity(5, 3, dtype=jnp.float32)) == 0
+  # And the placed B2 is Q itself, bit for bit, over zero rows.
+  p = C.linear(None, Q_tall, m=5)
+  np.testing.assert_array_equal(p.b2[:3], Q_tall)
+  np.testing.assert_array_equal(p.b2[3:], 0)
+
+
+@pytest.mark.parametrize("lead", [(), (2,), (2, 3)])
+def test_pad_inner_is_exact(lead):
+  rng = np.random.default_rng(41)
+  m, n, k = 5, 4, 2
+  p = elsa.ElsaParams.init(jax.random.key(len(lead)), m=m, n=n, k=k,
+                           lead=lead, dtype=jnp.float64)
+  wide = C.pad_inner(p, 5)
+  assert wide.w1.shape == (*lead, n, 5) and wide.b3.shape == (*lead, m, 5)
+  assert wide.w2.shape == p.w2.shape and wide.b2.shape == p.b2.shape
+  for name in ("w1", "w3", "b1", "b3"):
+    np.testing.assert_array_equal(getattr(wide, name)[..., :k],
+                                  getattr(p, name))
+    np.testing.assert_array_equal(getattr(wide, name)[..., k:], 0)
+  h = rng.standard_normal((3, m, n))
+  apply = {(): elsa.elsa, (2,): elsa.elsa_layer, (2, 3): elsa.elsa_stack}[lead]
+  # The extra products are exact zeros; only the summation order may differ.
+  assert rel_err(apply(wide, h), apply(p, h)) <= F64_TOL
+  assert C.pad_inner(p, k).w1.shape == p.w1.shape
+  with pytest.raises(ValueError, match=r"k=1 is smaller than .*p.k=2"):
+    C.pad_inner(p, 1)
+  with pytest.raises(TypeError, match="ElsaParams"):
+    C.pad_inner(tuple(p), 3)

@@ -122,3 +122,110 @@ def test_bad_arguments_raise(call, match):
   x, y = jnp.ones((2, 4, 3)), jnp.ones((2, 4))
   with pytest.raises(ValueError, match=match):
     call(x, y)
+
+
+def _xy(dtype=jnp.float64, n_out=None):
+  t = ridge.sample_tasks(jax.random.key(7), batch=2, n_train=4, d=3,
+                         n_out=n_out, dtype=dtype)
+  return t.x, t.y
+
+
+_ALL = {
+    "gd": lambda x, y: ridge.gd(x, y, lam=0.5, eta=0.1, steps=2),
+    "loss": lambda x, y: ridge.loss(jnp.zeros((2, 3), jnp.float64), x, y,
+                                    lam=0.5),
+    "solve": lambda x, y: ridge.solve(x, y, lam=0.5),
+    "normal_equations": lambda x, y: ridge.normal_equations(x, y, lam=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ALL))
+def test_integer_x_and_mixed_dtypes_raise(name):
+  """Integer x truncated lam and eta to 0 (gd returned zeros); now refused."""
+  x, y = _xy()
+  with pytest.raises(TypeError, match=r"x must have a floating dtype, got int"):
+    _ALL[name](x.astype(jnp.int32), y.astype(jnp.int32))
+  with pytest.raises(TypeError, match=r"y has dtype float32 but x has dtype "
+                     r"float64"):
+    _ALL[name](x, y.astype(jnp.float32))
+  with pytest.raises(TypeError, match=r"y has dtype int32"):
+    _ALL[name](x, y.astype(jnp.int32))
+  _ALL[name](x, y)  # the same call with matching floats is fine
+
+
+def test_stability_limit_refuses_integer_x():
+  x, _ = _xy()
+  with pytest.raises(TypeError, match=r"x must have a floating dtype"):
+    ridge.stability_limit(x.astype(jnp.int32), lam=0.1)
+
+
+def test_gd_w0_dtype_and_steps_type():
+  x, y = _xy()
+  with pytest.raises(TypeError, match=r"w0 has dtype float32 but x has dtype "
+                     r"float64"):
+    ridge.gd(x, y, lam=0.1, eta=0.1, steps=2, w0=jnp.ones(3, jnp.float32))
+  want = ridge.gd(x, y, lam=0.1, eta=0.1, steps=3)
+  for steps in (np.int64(3), np.int32(3)):
+    np.testing.assert_array_equal(
+        ridge.gd(x, y, lam=0.1, eta=0.1, steps=steps), want)
+  for steps in (3.0, "3", True, np.float64(3)):
+    with pytest.raises(TypeError, match="steps"):
+      ridge.gd(x, y, lam=0.1, eta=0.1, steps=steps)
+  with pytest.raises(ValueError, match="steps must be an int >= 0, got -2"):
+    ridge.gd(x, y, lam=0.1, eta=0.1, steps=np.int64(-2))
+
+
+def test_loss_checks_w():
+  x, y = _xy()  # x [2, 4, 3], vector y [2, 4]
+  with pytest.raises(ValueError, match=r"w must have shape \(2, 3\).*got "
+                     r"\(2, 3, 1\)"):
+    ridge.loss(jnp.zeros((2, 3, 1)), x, y, lam=0.1)
+  with pytest.raises(ValueError, match=r"w must have shape \(2, 3\).*got "
+                     r"\(2, 4\)"):
+    ridge.loss(jnp.zeros((2, 4)), x, y, lam=0.1)
+  with pytest.raises(ValueError, match=r"w must have shape \(2, 3\).*got "
+                     r"\(5, 3\)"):
+    ridge.loss(jnp.zeros((5, 3)), x, y, lam=0.1)
+  with pytest.raises(TypeError, match=r"w has dtype float32"):
+    ridge.loss(jnp.zeros((2, 3), jnp.float32), x, y, lam=0.1)
+  xm, ym = _xy(n_out=2)
+  with pytest.raises(ValueError, match=r"w must have shape \(2, 3, 2\).*got "
+                     r"\(2, 3\)"):
+    ridge.loss(jnp.zeros((2, 3)), xm, ym, lam=0.1)
+  # One w shared by the batch broadcasts, as before.
+  w = jnp.asarray([0.5, -1.0, 2.0])
+  shared = ridge.loss(w, x, y, lam=0.1)
+  np.testing.assert_allclose(
+      shared, [ridge.loss(w, x[b], y[b], lam=0.1) for b in range(2)],
+      rtol=1e-15)
+
+
+_REFERENCES = {
+    "normal_equations": lambda x, y: ridge.normal_equations(x, y, lam=0.1),
+    "gd": lambda x, y: ridge.gd(x, y, lam=0.1, eta=0.1, steps=2),
+    "loss": lambda x, y: ridge.loss(x[:, 0], x, y, lam=0.1),
+    "solve": lambda x, y: ridge.solve(x, y, lam=0.1),
+    "stability_limit": lambda x, y: ridge.stability_limit(x, lam=0.1),
+    "sample_tasks": lambda x, y: ridge.sample_tasks(
+        jax.random.key(0), batch=2, n_train=3, d=3, x_cov=jnp.eye(3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REFERENCES))
+def test_references_use_highest_precision(name):
+  """Every matmul is HIGHEST: float32 at default precision runs in bf16/TF32
+  on TPUs and Ampere+ GPUs, which would make the references inexact there."""
+  x, y = _xy(jnp.float32)
+  text = str(jax.make_jaxpr(_REFERENCES[name])(x, y))
+  dots = text.count("dot_general[")
+  assert dots > 0
+  assert text.count("precision=(Precision.HIGHEST, Precision.HIGHEST)") == dots
+
+
+def test_sample_tasks_default_dtype():
+  kw = dict(batch=1, n_train=2, d=2)
+  t = ridge.sample_tasks(jax.random.key(0), **kw)
+  assert {a.dtype for a in t} == {jnp.dtype(jnp.float64)}  # x64 in the tests
+  with jax.enable_x64(False):
+    t = ridge.sample_tasks(jax.random.key(0), **kw)
+    assert {a.dtype for a in t} == {jnp.dtype(jnp.float32)}
