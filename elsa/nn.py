@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elsa.attention import Array, ElsaParams, elsa, elsa_layer, elsa_stack, lsa
+from elsa.attention import (Array, ElsaParams, elsa, elsa_layer, elsa_stack,
+                            float_dtype, lsa)
 
 _BIASES = ("b1", "b2", "b3")
 
@@ -136,10 +137,15 @@ class Elsa(_ElsaBlock):
   @classmethod
   def random(cls, rngs: nnx.Rngs, *, m: int, n: int, k: int,
              v: int | None = None, scale: float | None = None,
-             bias_scale: float | None = None, dtype=jnp.float32, **switches):
-    """Random normal parameters (``ElsaParams.init``) drawn from ``rngs.params()``."""
+             bias_scale: float | None = None, dtype=None, **switches):
+    """Random normal parameters (``ElsaParams.init``) drawn from ``rngs.params()``.
+
+    ``dtype``: of every leaf; default JAX's default float (float32, or
+    float64 under ``jax_enable_x64``), as for the other ``random``.
+    """
     return cls(ElsaParams.init(rngs.params(), m=m, n=n, k=k, v=v, scale=scale,
-                               bias_scale=bias_scale, dtype=dtype), **switches)
+                               bias_scale=bias_scale, dtype=float_dtype(dtype)),
+               **switches)
 
   def __call__(self, h: Array) -> Array:
     """``h [..., m, n] -> [..., m, v]``."""
@@ -155,11 +161,11 @@ class ElsaLayer(_ElsaBlock):
   @classmethod
   def random(cls, rngs: nnx.Rngs, *, m: int, n: int, k: int,
              components: int, scale: float | None = None,
-             bias_scale: float | None = None, dtype=jnp.float32, **switches):
+             bias_scale: float | None = None, dtype=None, **switches):
     """Random normal parameters with leaves ``[components, ...]`` (``v == n``)."""
     return cls(ElsaParams.init(rngs.params(), m=m, n=n, k=k, lead=(components,),
-                               scale=scale, bias_scale=bias_scale, dtype=dtype),
-               **switches)
+                               scale=scale, bias_scale=bias_scale,
+                               dtype=float_dtype(dtype)), **switches)
 
   def __call__(self, h: Array) -> Array:
     """``h [..., m, n] -> [..., m, n]``."""
@@ -195,11 +201,12 @@ class ElsaStack(_ElsaBlock):
   @classmethod
   def random(cls, rngs: nnx.Rngs, *, m: int, n: int, k: int, components: int,
              depth: int, tied: bool = False, scale: float | None = None,
-             bias_scale: float | None = None, dtype=jnp.float32, **switches):
+             bias_scale: float | None = None, dtype=None, **switches):
     """Random normal parameters with leaves ``[depth (1 if tied), components, ...]``."""
     lead = (1 if tied else depth, components)
     params = ElsaParams.init(rngs.params(), m=m, n=n, k=k, lead=lead,
-                             scale=scale, bias_scale=bias_scale, dtype=dtype)
+                             scale=scale, bias_scale=bias_scale,
+                             dtype=float_dtype(dtype))
     return cls(params, tied=tied, depth=depth, **switches)
 
   def to_params(self) -> ElsaParams:

@@ -33,9 +33,12 @@ import jax.numpy as jnp
 import optax
 
 from elsa import constructions, forms, nn, ridge
-from elsa.attention import Array, ElsaParams
+from elsa.attention import Array, ElsaParams, float_dtype
 
 X_DISTRIBUTIONS = ("normal", "laplace", "exponential")
+# E[z^2] of one standardised input coordinate z (before covariance and
+# x_scale): 1 for the centred ones, mean^2 + variance = 2 for exponential.
+_X_SECOND_MOMENT = {"normal": 1.0, "laplace": 1.0, "exponential": 2.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +57,12 @@ class TaskSpec:
     x_skew: input covariance ``diag(c_j)``, ``c_j`` proportional to
       ``(j + 1) ** -x_skew`` and normalised to trace ``d``; 0 is isotropic.
     noise_labels: if true, the CONTEXT labels are replaced by independent
-      normal noise with the labels' variance ``w_scale^2 tr(Cov x) + noise^2``
-      (the query labels stay ``x_q^T w_true + noise``).
+      normal noise with the clean labels' variance ``E[(x^T w_true +
+      noise)^2] = w_scale^2 x_scale^2 mu_2 sum_j c_j + noise^2``, ``mu_2 =
+      E[z^2]`` of one standardised input coordinate (1 for normal and
+      laplace, 2 for exponential, which is not centred) and ``c_j`` the
+      covariance diagonal :meth:`x_cov_diag` (the query labels stay ``x_q^T
+      w_true + noise``).
   """
 
   n_train: int
@@ -78,19 +85,27 @@ class TaskSpec:
     """The natural token form of these tasks (scalar targets)."""
     return forms.Natural(n_train=self.n_train, d=self.d, n_query=self.n_query)
 
-  def x_cov_diag(self, dtype=jnp.float32) -> Array:
-    """The diagonal of the input covariance before ``x_scale``, ``[d]``."""
+  def x_cov_diag(self, dtype=None) -> Array:
+    """The diagonal of the input covariance before ``x_scale``, ``[d]``.
+
+    ``dtype``: default JAX's default float (float32, or float64 under
+    ``jax_enable_x64``).
+    """
+    dtype = float_dtype(dtype)
     c = (jnp.arange(self.d, dtype=dtype) + 1) ** -jnp.asarray(self.x_skew, dtype)
     return c * self.d / c.sum()
 
 
 def sample_tasks(key: Array, spec: TaskSpec, *, batch: int,
-                 dtype=jnp.float32) -> ridge.Task:
+                 dtype=None) -> ridge.Task:
   """``batch`` tasks of ``spec``: ``x [B, N, d]``, ``y [B, N]``, ``x_query [B, Q, d]``...
 
   Normal inputs come from :func:`elsa.ridge.sample_tasks`; Laplace and
   exponential inputs are drawn here with the same scaling and labels.
+  ``dtype``: default JAX's default float (float32, or float64 under
+  ``jax_enable_x64``).
   """
+  dtype = float_dtype(dtype)
   cov = spec.x_cov_diag(dtype)
   x_cov = None if spec.x_skew == 0 else jnp.diag(cov)
   task = ridge.sample_tasks(key, batch=batch, n_train=spec.n_train, d=spec.d,
@@ -111,7 +126,9 @@ def sample_tasks(key: Array, spec: TaskSpec, *, batch: int,
     task = task._replace(x=x, y=label(x, k_n), x_query=x_query,
                          y_query=label(x_query, k_nq))
   if spec.noise_labels:
-    std = jnp.sqrt(spec.w_scale**2 * spec.x_scale**2 * cov.sum() + spec.noise**2)
+    second_moment = _X_SECOND_MOMENT[spec.x_dist] * cov.sum()
+    std = jnp.sqrt(spec.w_scale**2 * spec.x_scale**2 * second_moment
+                   + spec.noise**2)
     task = task._replace(y=std * jax.random.normal(k_y, task.y.shape, dtype))
   return task
 
@@ -120,7 +137,7 @@ def init_model(key: Array, spec: TaskSpec, *, depth: int, components: int = 3,
                inner: int | None = None, use_bias: bool = True,
                tied: bool = False, scale: float = 0.1,
                bias_scale: float | None = None, skip_init: bool = True,
-               dtype=jnp.float32) -> nn.ElsaStack:
+               dtype=None) -> nn.ElsaStack:
   """A stack for the natural tokens of ``spec``: leaves ``[depth, components, ...]``.
 
   Args:
@@ -135,8 +152,10 @@ def init_model(key: Array, spec: TaskSpec, *, depth: int, components: int = 3,
       (:func:`elsa.constructions.linear` with ``P = I``, needs biases and
       ``inner >= n``), so a deep stack starts near the identity instead of a
       random cubic of degree ``3^L``. It is an initial value, not a constraint.
-    dtype: floating dtype of the parameters.
+    dtype: floating dtype of the parameters; default JAX's default float
+      (float32, or float64 under ``jax_enable_x64``).
   """
+  dtype = float_dtype(dtype)
   form = spec.form()
   m, n = form.m, form.n
   inner = n if inner is None else inner
@@ -147,10 +166,8 @@ def init_model(key: Array, spec: TaskSpec, *, depth: int, components: int = 3,
     if not use_bias or inner < n:
       raise ValueError(f"init_model: skip_init needs use_bias=True and inner >= "
                        f"n={n}, got use_bias={use_bias}, inner={inner}.")
-    skip = constructions.linear(None, jnp.eye(n, dtype=dtype), m=m)
-    widen = lambda a: jnp.pad(a, [(0, 0), (0, inner - a.shape[1])])
-    skip = skip._replace(w1=widen(skip.w1), w3=widen(skip.w3),
-                         b1=widen(skip.b1), b3=widen(skip.b3))
+    skip = constructions.pad_inner(constructions.identity(m, n, dtype=dtype),
+                                   inner)
     params = jax.tree.map(lambda p, s: p.at[:, 0].set(s), params, skip)
   return nn.ElsaStack(params, tied=tied, depth=depth, use_bias=use_bias)
 

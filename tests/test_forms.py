@@ -317,3 +317,62 @@ def test_bad_w0():
   with pytest.raises(ValueError, match="w0"):
     forms.Designed(n_train=N, d=d, n_query=Q).encode(x, y, x_query=xq,
                                                       w0=jnp.zeros((2, d + 1)))
+
+
+def test_building_blocks_take_python_numbers():
+  # Each block with Python numbers equals the same block with float64 arrays
+  # (JAX's default float under x64), and the blocks compose to gd_params.
+  f64 = lambda v: jnp.asarray(v, jnp.float64)
+  for form_cls in FORMS:
+    form = form_cls(n_train=5, d=2, n_query=2)
+    for name, kwargs in (("decayed_skip", dict(lam=0.1, eta=0.2)),
+                         ("gradient_head", dict(eta=0.2)),
+                         ("gd_layer", dict(lam=0.1, eta=0.2)),
+                         ("gd_layers", dict(lam=0.1, etas=[0.2, 0.3]))):
+      got = getattr(form, name)(**kwargs)
+      want = getattr(form, name)(**{k: f64(v) for k, v in kwargs.items()})
+      assert got.w1.dtype == elsa.attention.float_dtype() == jnp.float64
+      for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    f32 = form.gd_layer(lam=0.1, eta=0.2, dtype=jnp.float32)
+    assert all(leaf.dtype == jnp.float32 for leaf in f32)
+    with pytest.raises(ValueError, match="etas"):
+      form.gd_layers(lam=0.1, etas=0.2)
+    with pytest.raises(ValueError, match="lam must be a scalar"):
+      form.decayed_skip(lam=[0.1, 0.2], eta=0.2)
+  natural = forms.Natural(n_train=5, d=2, n_query=2)
+  first = natural.first_layer(lam=0.1, eta=0.2)
+  stacked = natural.gd_params(lam=0.1, eta=0.2, depth=1)
+  for a, b in zip(first, stacked):  # eager vs jitted eta / N: 1 ulp
+    np.testing.assert_allclose(a, b[0], rtol=1e-15, atol=0)
+
+
+def test_natural_move_queries_moves_x_to_z_on_query_rows_only():
+  form = forms.Natural(n_train=3, d=2, n_query=2, n_out=2)
+  h = jax.random.normal(jax.random.key(0), (form.m, form.n), jnp.float64)
+  got = elsa.elsa(form.move_queries(dtype=jnp.float64), h)
+  want = np.zeros((form.m, form.n))
+  q = form.query_rows
+  want[q, form.z_cols] = h[q, form.x_cols]
+  want[q, form.x_cols] = -h[q, form.x_cols]
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-15)
+  assert form.move_queries().w2.dtype == jnp.float64  # default float
+
+
+def test_w0_with_d_1_and_one_output():
+  # [d, k] = [1, 1] is a w0 of shape [d, k], not [..., d] to be expanded.
+  form = forms.Designed(n_train=3, d=1, n_query=1)
+  x, y, xq = jnp.ones((3, 1)), jnp.ones(3), jnp.ones((1, 1))
+  h_dk = form.encode(x, y, x_query=xq, w0=jnp.full((1, 1), 0.5))
+  h_d = form.encode(x, y, x_query=xq, w0=jnp.full((1,), 0.5))
+  np.testing.assert_array_equal(h_dk, h_d)
+  np.testing.assert_array_equal(form.decode_w(h_dk), [0.5])
+  batched = forms.Designed(n_train=3, d=1, n_query=1)
+  hb = batched.encode(jnp.ones((4, 3, 1)), jnp.ones((4, 3)),
+                      x_query=jnp.ones((4, 1, 1)), w0=jnp.arange(4.)[:, None])
+  np.testing.assert_array_equal(batched.decode_w(hb), jnp.arange(4.)[:, None])
+  # Errors report the shape the caller passed, not the expanded one.
+  form3 = forms.Designed(n_train=4, d=3, n_query=2)
+  x, y, xq = jnp.zeros((2, 4, 3)), jnp.zeros((2, 4)), jnp.zeros((2, 2, 3))
+  with pytest.raises(ValueError, match=r"w0 .*got \(5, 3\)"):
+    form3.encode(x, y, x_query=xq, w0=jnp.zeros((5, 3)))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import elsa
-from elsa import ridge
+from elsa import constructions, ridge
 from elsa.forms import Newton
 from elsa.forms.newton import safe_alpha
 
@@ -251,3 +251,72 @@ def test_bad_arguments_raise():
     form.decode_w(jnp.ones((form.m, form.n + 1)))
   with pytest.raises(ValueError, match="x must have shape"):
     safe_alpha(jnp.ones(3), lam=0.1)
+
+
+def test_concrete_nonpositive_alpha_raises_for_arrays_too():
+  form = Newton(n_train=3, d=2, n_query=1)
+  for alpha in (jnp.asarray(-1.0), np.float64(0.0), jnp.float32(-0.5),
+                jnp.asarray(np.nan)):
+    for method in (form.newton_params, form.setup_params):
+      kwargs = dict(depth=1) if method == form.newton_params else {}
+      with pytest.raises(ValueError, match="alpha must be > 0"):
+        method(lam=0.1, alpha=alpha, **kwargs)
+  # A traced alpha cannot be checked and is accepted.
+  params = jax.jit(lambda a: form.newton_params(lam=0.1, alpha=a, depth=1))(
+      jnp.asarray(-1.0))
+  assert params.w1.shape[:2] == (3, 3)
+
+
+def test_building_blocks_take_python_numbers():
+  form = Newton(n_train=4, d=2, n_query=2)
+  f64 = lambda v: jnp.asarray(v, jnp.float64)
+  for name, kwargs in (("move_queries", dict(alpha=0.5)),
+                       ("gram_head", dict(lam=0.1, alpha=0.5)),
+                       ("alpha_b_head", dict(alpha=0.5))):
+    got = getattr(form, name)(**kwargs)
+    want = getattr(form, name)(**{k: f64(v) for k, v in kwargs.items()})
+    assert got.w1.dtype == elsa.attention.float_dtype() == jnp.float64
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(a, b)
+  assert form.alpha_b_head(alpha=0.5, dtype=jnp.float32).b3.dtype == jnp.float32
+  # newton_layer defaults to JAX's default float (float64 under x64).
+  assert all(leaf.dtype == jnp.float64 for leaf in form.newton_layer())
+  # The blocks are the set-up layers (padded to the layer's inner width).
+  setup = form.setup_params(lam=0.1, alpha=0.5)
+  pad = lambda p: constructions.pad_inner(p, setup.k)
+  for a, b in zip(pad(form.move_queries(alpha=0.5)), setup):
+    np.testing.assert_array_equal(a, b[0, 1])
+  for a, b in zip(pad(form.gram_head(lam=0.1, alpha=0.5)), setup):
+    np.testing.assert_array_equal(a, b[1, 1])
+  # move_queries moves x to alpha x in mcol on the query rows, nothing else.
+  h = jax.random.normal(jax.random.key(0), (form.m, form.n), jnp.float64)
+  got = np.asarray(elsa.elsa(form.move_queries(alpha=0.5), h))
+  q, xc, mc = (slice(r.start, r.stop) for r in (form.query_rows, form.x_cols,
+                                                form.mcol_cols))
+  want = np.zeros((form.m, form.n))
+  want[q, mc], want[q, xc] = 0.5 * h[q, xc], -h[q, xc]
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-15)
+
+
+def test_params_validate_once_and_compile_once(monkeypatch):
+  form = Newton(n_train=5, d=3, n_query=2)
+  calls = []
+  check = Newton._lam_alpha
+  monkeypatch.setattr(Newton, "_lam_alpha",
+                      lambda self, *a, **k: calls.append(1) or check(self, *a,
+                                                                     **k))
+  eager = constructions.stack(form.setup_params(lam=0.2, alpha=0.3),
+                              *[form.newton_layer()] * 3)
+  calls.clear()
+  params = form.newton_params(lam=0.2, alpha=0.3, depth=3)
+  assert len(calls) == 1
+  for a, b in zip(params, eager):
+    np.testing.assert_allclose(a, b, rtol=1e-15, atol=0)
+  # Built by one compiled function per form, depth and dtype: another lam,
+  # alpha reuses it.
+  from elsa.forms import _tokens
+  size = _tokens._jitted._cache_size()
+  form.newton_params(lam=0.5, alpha=0.1, depth=4)
+  assert _tokens._jitted._cache_size() == size + 1
+  form.newton_params(lam=0.2, alpha=0.2, depth=4)
+  assert _tokens._jitted._cache_size() == size + 1

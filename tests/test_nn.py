@@ -160,3 +160,18 @@ def test_bad_params_raise():
     nn.Elsa.from_params({"w1": jnp.ones((3, 2))})
   with pytest.raises(ValueError, match="depth"):
     nn.ElsaStack.from_params(_params(0, m=5, n=3, k=2, lead=(2, 1)), depth=3)
+
+
+def test_random_defaults_to_jax_default_float():
+  # float64 here (x64 is on in tests); an explicit dtype is kept.
+  default = elsa.attention.float_dtype()
+  assert default == jnp.float64
+  modules = [nn.Elsa.random(nnx.Rngs(0), m=5, n=3, k=2),
+             nn.ElsaLayer.random(nnx.Rngs(0), m=5, n=3, k=2, components=2),
+             nn.ElsaStack.random(nnx.Rngs(0), m=5, n=3, k=2, components=2,
+                                 depth=2)]
+  for module in modules:
+    assert all(leaf.dtype == default for leaf in module.to_params())
+  f32 = nn.ElsaStack.random(nnx.Rngs(0), m=5, n=3, k=2, components=2, depth=2,
+                            dtype=jnp.float32)
+  assert all(leaf.dtype == jnp.float32 for leaf in f32.to_params())

@@ -60,6 +60,8 @@ class GDForm(TokenForm):
     self.example_rows, self.query_rows, self.w_rows = self._row_blocks(slice)
     self.x_cols, self.y_cols, self.z_cols, self.p_cols = self._consecutive(
         slice, d, n_out, d, n_out)
+    self._w_block = (self.w_rows, self.p_cols)
+    self._pred_block = (self.query_rows, self.p_cols)
 
   @property
   def n(self) -> int:
@@ -67,19 +69,7 @@ class GDForm(TokenForm):
     return 2 * self.d + 2 * self.n_out
 
   # --- decoding -------------------------------------------------------------
-
-  def decode_w(self, h) -> Array:
-    """The weights held in the w-rows: ``[..., m, n] -> [..., d(, k)]``.
-
-    Works on any leading axes, e.g. all states ``[L + 1, ..., m, n]`` of
-    ``elsa_stack(..., return_all=True)``.
-    """
-    return self._out(self._read("decode_w", h, self.w_rows, self.p_cols))
-
-  def decode_pred(self, h) -> Array:
-    """Query predictions ``x_q^T w``: ``[..., m, n] -> [..., Q(, k)]``."""
-    return self._out(self._read("decode_pred", h, self.query_rows,
-                                self.p_cols))
+  # decode_w and decode_pred are TokenForm's, on _w_block and _pred_block.
 
   def decode_train_pred(self, h) -> Array:
     """Predictions on the examples ``x_i^T w``: ``[..., m, n] -> [..., N(, k)]``."""
@@ -143,18 +133,23 @@ class GDForm(TokenForm):
     """``[n, width]``: ``h @ S`` reads the columns ``cols``."""
     return constructions.selector(self.n, range(self.n)[cols], dtype=dtype)
 
-  def decayed_skip(self, *, lam, eta) -> ElsaParams:
+  def decayed_skip(self, *, lam, eta, dtype=None) -> ElsaParams:
     """``h -> h D``, ``D = diag(1 on x, y, z; 1 - eta lam on p)``: one component.
 
     :func:`elsa.constructions.linear` with ``P = I``: the term
     ``(h W3)(B1^T B2)`` with ``W3 = I_n``, ``B1^T B2 = D`` when ``m >= n``,
     else the bias route ``B3 B1^T (h W2)`` with ``B3 = B1 = I_m``, ``W2 = D``.
+
+    ``lam``, ``eta``: scalars (Python numbers or arrays, may be traced);
+    ``dtype`` as in :meth:`gd_params`. The same holds for the other building
+    blocks (:meth:`gradient_head`, :meth:`gd_layer`, :meth:`gd_layers`).
     """
+    lam, eta = self._scalars("decayed_skip", dtype, lam=lam, eta=eta)
     is_p = jnp.zeros(self.n, bool).at[self.p_cols].set(True)
     diag = jnp.where(is_p, 1 - eta * lam, jnp.ones((), lam.dtype))
     return constructions.linear(None, jnp.diag(diag), m=self.m)
 
-  def gradient_head(self, *, eta) -> ElsaParams:
+  def gradient_head(self, *, eta, dtype=None) -> ElsaParams:
     r"""Adds ``(eta/N) q^T X^T (y - p)`` to the p columns of every row: one component.
 
     Inner width ``d``. Only two of the eight terms of
@@ -170,6 +165,7 @@ class GDForm(TokenForm):
       ``(hW3)(hW1)^T(hW2)`` updates the predictions, ``B3 (hW1)^T (hW2)``
       the weights.
     """
+    eta, = self._scalars("gradient_head", dtype, eta=eta)
     dtype = eta.dtype
     sel_x = self._col_selector(self.x_cols, dtype)
     sel_z = self._col_selector(self.z_cols, dtype)
@@ -181,11 +177,17 @@ class GDForm(TokenForm):
     return head._replace(w1=sel_x, w3=sel_x + sel_z, b3=w_rows,
                          w2=(eta / self.n_train) * (sel_y - sel_p) @ sel_p.T)
 
-  def gd_layer(self, *, lam, eta) -> ElsaParams:
+  def gd_layer(self, *, lam, eta, dtype=None) -> ElsaParams:
     """One GD step on a state of the layout table: leaves ``[2, ...]``."""
+    lam, eta = self._scalars("gd_layer", dtype, lam=lam, eta=eta)
     return constructions.layer(self.decayed_skip(lam=lam, eta=eta),
                                self.gradient_head(eta=eta))
 
-  def gd_layers(self, *, lam, etas) -> ElsaParams:
-    """``len(etas)`` GD layers, one per step size: leaves ``[L, 2, ...]``."""
+  def gd_layers(self, *, lam, etas, dtype=None) -> ElsaParams:
+    """``len(etas)`` GD layers, one per step size ``etas [L]``: leaves ``[L, 2, ...]``."""
+    method = "gd_layers"
+    dtype = self._float_dtype(method, dtype, lam, etas)
+    lam, etas = self._scalar(method, "lam", lam, dtype), jnp.asarray(etas, dtype)
+    if etas.ndim != 1:
+      raise self._shape_error(self._name(method), "etas", "[L]", etas.shape)
     return jax.vmap(lambda eta: self.gd_layer(lam=lam, eta=eta))(etas)

@@ -13,22 +13,31 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from elsa.attention import Array
+from elsa import constructions
+from elsa.attention import Array, ElsaParams, float_dtype
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _jitted(form: "TokenForm", method: str, *args):
-  """``form.method(*args)`` compiled once per form and shape: eager callers
-  would otherwise compile each of the many small ops separately."""
-  return getattr(form, method)(*args)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _jitted(form: "TokenForm", method: str, static: tuple, *args):
+  """``form.method(*args, **dict(static))`` compiled once per form, static
+  keywords and shape: eager callers would otherwise compile each of the many
+  small ops separately."""
+  return getattr(form, method)(*args, **dict(static))
 
 
 class TokenForm:
   """Base of the input forms: the sizes and what does not depend on the columns.
 
   Subclasses name the token blocks (:meth:`_row_blocks`), set their column
-  blocks (:meth:`_consecutive`) and the feature count ``n``.
+  blocks (:meth:`_consecutive`) and the feature count ``n``, and set
+
+  * ``query_rows`` and ``x_cols``, the query tokens and the columns where
+    they arrive (:meth:`_move_query_x` moves them out);
+  * ``_w_block`` and ``_pred_block``, ``(rows, cols)`` of the weights ``w``
+    and of the query predictions (read by :meth:`decode_w`,
+    :meth:`decode_pred`).
 
   Attributes:
     n_train, d, n_query, n_out: ``N``, ``d``, ``Q``, ``k``.
@@ -83,9 +92,43 @@ class TokenForm:
     stops = list(itertools.accumulate(sizes))
     return [block(stop - size, stop) for size, stop in zip(sizes, stops)]
 
-  def _jit(self, method: str, *args):
-    """``self.method(*args)`` under :func:`jax.jit`, ``self`` static."""
-    return _jitted(self, method, *args)
+  def _jit(self, method: str, *args, **static):
+    """``self.method(*args, **static)`` under :func:`jax.jit`, ``self`` and the
+    keywords ``static`` (hashable, e.g. a depth) static."""
+    return _jitted(self, method, tuple(sorted(static.items())), *args)
+
+  # --- decoding ---------------------------------------------------------------
+
+  def decode_w(self, h) -> Array:
+    """The weights ``w`` the state holds: ``[..., m, n] -> [..., d(, k)]``.
+
+    Works on any leading axes, e.g. all states ``[L + 1, ..., m, n]`` of
+    ``elsa_stack(..., return_all=True)``.
+    """
+    return self._out(self._read("decode_w", h, *self._w_block))
+
+  def decode_pred(self, h) -> Array:
+    """Query predictions ``x_q^T w``: ``[..., m, n] -> [..., Q(, k)]``."""
+    return self._out(self._read("decode_pred", h, *self._pred_block))
+
+  # --- shared components --------------------------------------------------------
+
+  def _move_query_x(self, dst_cols, *, scale, dtype) -> ElsaParams:
+    """On the query rows, ``x -> 0`` and ``scale x -> dst_cols``. One component.
+
+    :func:`elsa.constructions.rows_linear` over the query rows with ``Q =
+    scale E(x -> dst) - E(x -> x)`` (``E(a -> b)`` the placement moving
+    columns ``a`` to ``b``): the term ``B3 B1^T (h W2)`` with ``B3 = B1`` the
+    query-row selector. Needs ``n_query >= 1``.
+    """
+    as_range = lambda block, size: (block if isinstance(block, range)
+                                    else range(size)[block])
+    x_cols = as_range(self.x_cols, self.n)
+    place = functools.partial(constructions.placement, x_cols,
+                              shape=(self.n, self.n), dtype=dtype)
+    q = scale * place(as_range(dst_cols, self.n)) - place(x_cols)
+    return constructions.rows_linear(as_range(self.query_rows, self.m), q,
+                                     m=self.m)
 
   # --- validation -------------------------------------------------------------
 
@@ -106,13 +149,14 @@ class TokenForm:
 
   def _float_dtype(self, method: str, dtype, *values):
     """``dtype``; if ``None``, the result type of those ``values`` that are
-    arrays (also tracers), else JAX's default float (float32, or float64 under
+    arrays (also tracers), else JAX's default float
+    (:func:`elsa.attention.float_dtype`: float32, or float64 under
     ``jax_enable_x64``). TypeError unless floating."""
     if dtype is None:
       # Arrays (also tracers) carry a dtype; plain Python numbers do not.
       typed = [a for a in values if hasattr(a, "dtype")]
-      dtype = (jnp.result_type(*typed) if typed
-               else jax.dtypes.canonicalize_dtype(jnp.float64))
+      dtype = jnp.result_type(*typed) if typed else float_dtype()
+    dtype = float_dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(f"{self._name(method)}: dtype must be floating, got "
                       f"{dtype}.")
@@ -120,10 +164,17 @@ class TokenForm:
 
   def _scalar(self, method: str, arg: str, value, dtype) -> Array:
     """``value`` as a 0-d array of ``dtype``; ``ValueError`` if it has axes."""
-    if jnp.ndim(value) != 0:
+    if np.ndim(value) != 0:
       raise ValueError(f"{self._name(method)}: {arg} must be a scalar, got "
-                       f"shape {jnp.shape(value)}; vmap over it instead.")
+                       f"shape {np.shape(value)}; vmap over it instead.")
     return jnp.asarray(value, dtype)
+
+  def _scalars(self, method: str, dtype=None, **values) -> list[Array]:
+    """``values`` as 0-d arrays of one floating dtype, in keyword order:
+    ``dtype``, or by default as :meth:`_float_dtype` picks it from them."""
+    dtype = self._float_dtype(method, dtype, *values.values())
+    return [self._scalar(method, arg, value, dtype)
+            for arg, value in values.items()]
 
   def _check_state(self, method: str, h) -> Array:
     """``h`` as an array of shape ``[..., m, n]``, else ``ValueError``."""
@@ -171,27 +222,33 @@ class TokenForm:
       raise self._shape_error(fn, "y", f"{want}{(*batch, N, k)} (x has shape "
                               f"{x.shape}, n_out={k})", y.shape)
 
-    def broadcast(arg, a, tail, want):
+    def broadcast(arg, a, tail, want, given):
+      # ``given``: the shape as passed, before a target axis was added.
       if a.ndim < len(tail) or a.shape[a.ndim - len(tail):] != tail:
-        raise self._shape_error(fn, arg, want, a.shape)
+        raise self._shape_error(fn, arg, want, given)
       try:
         return jnp.broadcast_to(a, (*batch, *tail))
       except ValueError:
         raise self._shape_error(fn, arg, f"{want} with leading axes "
                                 f"broadcastable to x's {batch}",
-                                a.shape) from None
+                                given) from None
 
     if x_query is None:
       if Q:
         raise ValueError(f"{fn}: x_query is required with n_query={Q}; pass "
                          f"an array of shape [..., {Q}, {d}].")
       x_query = jnp.zeros((*batch, 0, d), x.dtype)
-    x_query = broadcast("x_query", same_dtype("x_query", x_query), (Q, d),
-                        f"[..., Q={Q}, d={d}]")
+    x_query = same_dtype("x_query", x_query)
+    x_query = broadcast("x_query", x_query, (Q, d), f"[..., Q={Q}, d={d}]",
+                        x_query.shape)
     if w0 is not None:
       w0 = same_dtype("w0", w0)
-      if k == 1 and w0.ndim >= 1 and w0.shape[-1] == d:
+      given = w0.shape
+      # [..., d] gets its target axis; a w0 already ending in (d, 1) is
+      # [..., d, k] (they differ only when d == 1).
+      if (k == 1 and w0.ndim >= 1 and w0.shape[-1] == d
+          and w0.shape[-2:] != (d, 1)):
         w0 = w0[..., None]
       w0 = broadcast("w0", w0, (d, k), f"[..., d={d}]" if k == 1
-                     else f"[..., d={d}, k={k}]")
+                     else f"[..., d={d}, k={k}]", given)
     return x, y, x_query, w0

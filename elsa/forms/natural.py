@@ -79,25 +79,27 @@ class Natural(GDForm):
         x_cols_q=x_query, z_q=jnp.zeros_like(x_query),
         p_q=zeros(self.n_query), p_w=zeros(self.d))
 
-  def move_queries(self, *, dtype) -> ElsaParams:
+  def move_queries(self, *, dtype=None) -> ElsaParams:
     """On the query rows, ``x -> z``: adds ``x_q`` to z and ``-x_q`` to x. One component.
 
     :func:`elsa.constructions.rows_linear` over the query rows with
     ``Q = S_x S_z^T - S_x S_x^T`` (``S_x, S_z`` the column selectors): the term
-    ``B3 B1^T (h W2)`` with ``B3 = B1`` the query-row selector.
+    ``B3 B1^T (h W2)`` with ``B3 = B1`` the query-row selector
+    (``TokenForm._move_query_x`` with scale 1). Needs ``n_query >= 1``.
     """
-    sel_x = self._col_selector(self.x_cols, dtype)
-    sel_z = self._col_selector(self.z_cols, dtype)
-    rows = range(self.m)[self.query_rows]
-    return constructions.rows_linear(rows, sel_x @ (sel_z - sel_x).T, m=self.m)
+    dtype = self._float_dtype("move_queries", dtype)
+    return self._move_query_x(self.z_cols, scale=1, dtype=dtype)
 
-  def first_layer(self, *, lam, eta) -> ElsaParams:
+  def first_layer(self, *, lam, eta, dtype=None) -> ElsaParams:
     """Layer 1: decayed skip, gradient head, query move; leaves ``[C, ...]``.
 
     The Designed layer reads queries from x and z alike, so with the queries
     still in x it gives them ``p_q = x_q^T w_1``; the skip's decay acts on
     ``p = 0``. With ``Q == 0`` there is nothing to move (two components).
+    ``lam``, ``eta``: scalars (Python numbers or arrays); ``dtype`` as in
+    :meth:`gd_params`.
     """
+    lam, eta = self._scalars("first_layer", dtype, lam=lam, eta=eta)
     parts = [self.decayed_skip(lam=lam, eta=eta), self.gradient_head(eta=eta)]
     if self.n_query:
       parts.append(self.move_queries(dtype=eta.dtype))

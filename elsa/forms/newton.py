@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from elsa import constructions
 from elsa.attention import Array, ElsaParams
@@ -122,6 +124,8 @@ class Newton(TokenForm):
     self.example_rows, self.query_rows, self.m_rows = self._row_blocks(range)
     (self.x_cols, self.y_cols, self.a_cols, self.mcol_cols,
      self.w_cols) = self._consecutive(range, d, n_out, d, d, n_out)
+    self._w_block = (self.m_rows, self.w_cols)
+    self._pred_block = (self.query_rows, self.w_cols)
 
   @property
   def n(self) -> int:
@@ -147,6 +151,9 @@ class Newton(TokenForm):
       TypeError: ``x`` is not floating, or ``y``/``x_query`` has another dtype.
     """
     x, y, x_query, _ = self._check_inputs(x, y, x_query)
+    return self._jit("_initial_state", x, y, x_query)
+
+  def _initial_state(self, x, y, x_query) -> Array:
     zeros = lambda rows, cols: jnp.zeros((*x.shape[:-2], rows, cols), x.dtype)
     tokens = jnp.concatenate(
         [jnp.concatenate([x, y], axis=-1),
@@ -155,18 +162,8 @@ class Newton(TokenForm):
     return jnp.concatenate([tokens, zeros(self.m, self.n - self.d - self.n_out)],
                            axis=-1)
 
-  def decode_w(self, h: Array) -> Array:
-    """``w_t = M_t b`` from the M rows: ``[..., m, n] -> [..., d(, k)]``.
-
-    Works on any leading axes, e.g. all states ``[L + 1, ..., m, n]`` of
-    ``elsa_stack(..., return_all=True)``.
-    """
-    return self._out(self._read("decode_w", h, self.m_rows, self.w_cols))
-
-  def decode_pred(self, h: Array) -> Array:
-    """Query predictions ``x_q^T w_t``: ``[..., m, n] -> [..., Q(, k)]``."""
-    return self._out(self._read("decode_pred", h, self.query_rows,
-                                self.w_cols))
+  # decode_w (``w_t = M_t b`` from the M rows) and decode_pred (``x_q^T
+  # w_t``) are TokenForm's, on _w_block and _pred_block.
 
   def decode_inverse(self, h: Array) -> Array:
     """``M_t``, the running approximation of ``A^{-1}``: ``[..., d, d]``."""
@@ -178,22 +175,23 @@ class Newton(TokenForm):
 
   # --- parameters -----------------------------------------------------------
 
-  def move_queries(self, *, alpha) -> ElsaParams:
+  def move_queries(self, *, alpha, dtype=None) -> ElsaParams:
     """Set-up layer 1, with the skip: on query rows, ``x -> 0`` and ``alpha x -> mcol``.
 
     :func:`elsa.constructions.rows_linear` over the query rows with
     ``Q = alpha E(x -> mcol) - E(x -> x)`` (the term ``B3 B1^T (h W2)``,
-    ``B3 = B1`` the query-row selector). The query rows then hold
-    ``u_q = x_q^T M_0 = alpha x_q^T``, and their x columns are empty so the
-    Gram sum of layer 2 runs over the examples only.
-    """
-    place = functools.partial(constructions.placement, shape=(self.n, self.n),
-                              dtype=alpha.dtype)
-    q = (alpha * place(self.x_cols, self.mcol_cols)
-         - place(self.x_cols, self.x_cols))
-    return constructions.rows_linear(self.query_rows, q, m=self.m)
+    ``B3 = B1`` the query-row selector; ``TokenForm._move_query_x``). The
+    query rows then hold ``u_q = x_q^T M_0 = alpha x_q^T``, and their x
+    columns are empty so the Gram sum of layer 2 runs over the examples only.
+    Needs ``n_query >= 1``.
 
-  def gram_head(self, *, lam, alpha) -> ElsaParams:
+    ``alpha`` (and ``lam`` of the other set-up blocks): scalars, Python
+    numbers or arrays (may be traced); ``dtype`` as in :meth:`newton_params`.
+    """
+    alpha, = self._scalars("move_queries", dtype, alpha=alpha)
+    return self._move_query_x(self.mcol_cols, scale=alpha, dtype=alpha.dtype)
+
+  def gram_head(self, *, lam, alpha, dtype=None) -> ElsaParams:
     """Set-up layer 2: M rows get ``[A | alpha I]`` in columns ``[a | mcol]``. One component.
 
     ``Q = B3`` (``e_j`` on M row ``j``), ``K = h W1 + B1`` (x columns, plus
@@ -205,6 +203,7 @@ class Newton(TokenForm):
     the two cross terms vanish because ``B1, B2`` live on the M rows, where
     ``h`` is still zero, and after layer 1 the queries hold nothing in x.
     """
+    lam, alpha = self._scalars("gram_head", dtype, lam=lam, alpha=alpha)
     d, m, n = self.d, self.m, self.n
     place = functools.partial(constructions.placement, dtype=lam.dtype)
     inner = range(d)
@@ -217,7 +216,7 @@ class Newton(TokenForm):
         b1=on_m_rows, b3=on_m_rows, b2=b2,
         w2=place(self.x_cols, self.a_cols, shape=(n, n)) / self.n_train)
 
-  def alpha_b_head(self, *, alpha) -> ElsaParams:
+  def alpha_b_head(self, *, alpha, dtype=None) -> ElsaParams:
     """Set-up layer 2: ``w_0 = alpha b`` on M rows, ``p_q = alpha x_q^T b`` on queries. One component.
 
     ``Q = h W3 + B3`` (mcol columns, which hold ``alpha x_q`` on query rows
@@ -225,6 +224,7 @@ class Newton(TokenForm):
     columns: only the examples), ``V = h W2`` (``y / N`` into w), so
     ``K^T V = X^T y / N = b``; example rows have ``Q = 0``.
     """
+    alpha, = self._scalars("alpha_b_head", dtype, alpha=alpha)
     d, m, n = self.d, self.m, self.n
     place = functools.partial(constructions.placement, dtype=alpha.dtype)
     inner = range(d)
@@ -271,6 +271,10 @@ class Newton(TokenForm):
     """The two set-up layers, leaves ``[2, C, ...]`` (arguments as :meth:`newton_params`)."""
     lam, alpha = self._lam_alpha("setup_params", lam=lam, alpha=alpha,
                                  dtype=dtype)
+    return self._jit("_setup_stack", lam, alpha)
+
+  def _setup_stack(self, lam: Array, alpha: Array) -> ElsaParams:
+    """The layers of :meth:`setup_params` from checked scalars of one dtype."""
     skip = constructions.identity(self.m, self.n, dtype=lam.dtype)
     first = [skip] + ([self.move_queries(alpha=alpha)] if self.n_query else [])
     return constructions.stack(
@@ -278,7 +282,7 @@ class Newton(TokenForm):
         constructions.layer(skip, self.gram_head(lam=lam, alpha=alpha),
                             self.alpha_b_head(alpha=alpha)))
 
-  def newton_layer(self, *, dtype=jnp.float32) -> ElsaParams:
+  def newton_layer(self, *, dtype=None) -> ElsaParams:
     r"""One Newton–Schulz step, leaves ``[3, ...]``; it does not depend on lam or alpha.
 
     Skip + correction + fresh ``M b`` give, on M rows and on query rows,
@@ -293,7 +297,11 @@ class Newton(TokenForm):
     inverse ``M_t``: an error ``e`` in ``w_t`` becomes ``(I - M_t A) e``, so
     rounding in ``w`` is self-correcting, and the error of ``M_t`` itself
     enters only through the small residual ``b - A w_t`` (BUILD_NOTES.md).
+
+    ``dtype``: of every leaf; default JAX's default float (float32, or
+    float64 under ``jax_enable_x64``).
     """
+    dtype = self._float_dtype("newton_layer", dtype)
     return constructions.layer(self.newton_skip(dtype=dtype),
                                self.newton_correction(dtype=dtype),
                                self.fresh_mb(dtype=dtype))
@@ -324,7 +332,12 @@ class Newton(TokenForm):
     self._check_int(self._name("newton_params"), "depth", depth, low=0)
     lam, alpha = self._lam_alpha("newton_params", lam=lam, alpha=alpha,
                                  dtype=dtype)
-    setup = self.setup_params(lam=lam, alpha=alpha)
+    return self._jit("_newton_stack", lam, alpha, depth=depth)
+
+  def _newton_stack(self, lam: Array, alpha: Array, *, depth: int
+                    ) -> ElsaParams:
+    """The layers of :meth:`newton_params` from checked scalars of one dtype."""
+    setup = self._setup_stack(lam, alpha)
     if depth == 0:
       return setup
     step = self.newton_layer(dtype=lam.dtype)
@@ -332,12 +345,11 @@ class Newton(TokenForm):
     return constructions.stack(setup, steps)
 
   def _lam_alpha(self, method: str, *, lam, alpha, dtype):
-    """``lam, alpha`` as scalar arrays of one floating dtype, validated."""
-    dtype = self._float_dtype(method, dtype, lam, alpha)
-    lam = self._scalar(method, "lam", lam, dtype)
-    scalar_alpha = self._scalar(method, "alpha", alpha, dtype)
-    if isinstance(alpha, (int, float)) and not alpha > 0:
+    """``lam, alpha`` as scalar arrays of one floating dtype, validated: a
+    concrete (not traced) ``alpha`` must be ``> 0``."""
+    lam, alpha = self._scalars(method, dtype, lam=lam, alpha=alpha)
+    if not isinstance(alpha, jax.core.Tracer) and not np.asarray(alpha) > 0:
       raise ValueError(f"{self._name(method)}: alpha must be > 0 (M_0 = alpha "
                        f"I; converges for 0 < alpha < 2 / lambda_max(A)), got "
-                       f"{alpha}.")
-    return lam, scalar_alpha
+                       f"{np.asarray(alpha)}.")
+    return lam, alpha
