@@ -15,8 +15,13 @@ until ``||w - w*|| / ||w*|| <= tol``:
   ``kappa = 1e6``) and checked against :func:`elsa.ridge.gd` where cheap.
 * plain GD with the textbook step ``eta = 1/mu_max``, counted the same way.
 
-Writes ``config.json``, ``results.json`` and ``figures/newton_layers.png``
-into ``--workdir``.
+Each kappa draws its tasks from its own generator,
+``np.random.default_rng([seed, i])``, and is saved as ``partial_kappa<i>.json``
+as soon as it is done, so a rerun resumes at the first unfinished kappa. Then
+``results.json`` and ``figures/newton_layers.png``, all in ``--workdir``.
+The float32 and float64 runs use full-precision matmuls
+(``jax.default_matmul_precision("highest")``): GPUs and TPUs would otherwise
+run float32 products in TF32 or bfloat16.
 """
 
 from __future__ import annotations
@@ -24,15 +29,18 @@ from __future__ import annotations
 import math
 import os
 
-from absl import app, logging
+from absl import app
+from absl import logging
 import jax
 import jax.numpy as jnp
+from matplotlib.figure import Figure
 import numpy as np
 
 import elsa
 from elsa import ridge
 from elsa.forms.newton import Newton, safe_alpha
 from experiments import common
+
 
 def spectrum_tasks(rng: np.random.Generator, *, kappa: float, count: int,
                    n_train: int, d: int, n_query: int, lam: float,
@@ -177,9 +185,15 @@ def _median(values) -> float | None:
 
 
 def summary_rows(results: dict) -> list[dict]:
-  """One row per kappa: median layer counts and the worst floors."""
+  """One row per kappa: median layer counts and the worst floors.
+
+  A floor is ``None`` where an error was not finite (JSON null); the worst
+  floor is over the finite ones (``None`` if there are none).
+  """
   rows = []
   for r in results["per_kappa"]:
+    worst = lambda floors: max((f for f in floors if f is not None),
+                               default=None)
     rows.append({
         "kappa": r["kappa"],
         "newton_f64_safe": _median(r["newton_float64_safe"]),
@@ -188,8 +202,8 @@ def summary_rows(results: dict) -> list[dict]:
         "newton_f32_safe": _median(r["newton_float32_safe"]),
         "elsa_gd_best": _median(r["elsa_gd_best"]),
         "gd_plain": _median(r["gd_plain"]),
-        "floor_f64": max(r["newton_float64_safe_floor"]),
-        "floor_f32": max(r["newton_float32_safe_floor"]),
+        "floor_f64": worst(r["newton_float64_safe_floor"]),
+        "floor_f32": worst(r["newton_float32_safe_floor"]),
     })
   return rows
 
@@ -210,12 +224,11 @@ def markdown_table(results: dict) -> str:
 
 def plot(results: dict, path: str) -> None:
   """Layers vs kappa (left) and the median Newton error per layer (right)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  # A bare Figure, not pyplot: it leaves a notebook's backend alone.
   rows = summary_rows(results)
   kappas = [r["kappa"] for r in rows]
-  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+  fig = Figure(figsize=(11, 4))
+  left, right = fig.subplots(1, 2)
   for key, label in (("newton_f64_safe", "ELSA-Newton, alpha=1/||A||_F (f64)"),
                      ("newton_f64_best", "ELSA-Newton, best alpha (f64)"),
                      ("newton_f32_safe", "ELSA-Newton f32 (tol_float32)"),
@@ -237,8 +250,35 @@ def plot(results: dict, path: str) -> None:
   common.save_figure(fig, path)
 
 
+def _per_kappa(config, workdir: str) -> list[dict]:
+  """Every kappa's result: loaded if an earlier run saved it, else computed and saved."""
+  paths = [os.path.join(workdir, f"partial_kappa{i}.json")
+           for i in range(len(config.kappas))]
+  per_kappa = [common.read_json(path) for path in paths]
+  progress = common.Progress(len(paths), name="newton", unit="kappas")
+  progress.resumed(sum(r is not None for r in per_kappa))
+  form = Newton(n_train=config.n_train, d=config.d, n_query=config.n_query)
+  decoder = newton_decoder(form, lam=config.lam, depth=config.depth)
+  with jax.default_matmul_precision("highest"):
+    for i, kappa in enumerate(config.kappas):
+      if per_kappa[i] is not None:
+        continue
+      rng = np.random.default_rng([config.seed, i])
+      # Sanitised here, once: what run returns is what the JSON holds.
+      per_kappa[i] = common.finite_or_none(
+          _kappa_result(config, float(kappa), rng, decoder))
+      common.write_json(paths[i], per_kappa[i])
+      progress.update()
+  return per_kappa
+
+
 def run(config, workdir: str, *, overwrite: bool = False) -> dict:
-  """Runs the sweep into ``workdir`` and returns the results dict (skips if done)."""
+  """Runs the sweep into ``workdir`` and returns the results dict.
+
+  Skips it if ``results.json`` exists, and resumes from the
+  ``partial_kappa<i>.json`` files if not. Non-finite numbers are ``None``
+  (JSON null) in the returned dict as in the file.
+  """
   if not jax.config.jax_enable_x64:
     raise RuntimeError("newton.run: needs float64 for its references; call "
                        "jax.config.update('jax_enable_x64', True) first.")
@@ -246,15 +286,9 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
   results_path = os.path.join(workdir, "results.json")
   results = common.read_json(results_path)
   if results is None:
-    rng = np.random.default_rng(config.seed)
-    progress = common.Progress(len(config.kappas), name="newton", unit="kappas")
-    form = Newton(n_train=config.n_train, d=config.d, n_query=config.n_query)
-    decoder = newton_decoder(form, lam=config.lam, depth=config.depth)
-    per_kappa = []
-    for kappa in config.kappas:
-      per_kappa.append(_kappa_result(config, float(kappa), rng, decoder))
-      progress.update()
-    results = {"config": common.config_dict(config), "per_kappa": per_kappa}
+    results = {"config": common.config_dict(config),
+               "per_kappa": _per_kappa(config, workdir)}
+    # results.json last: its presence means the run is complete.
     common.write_json(results_path, results)
   else:
     logging.info("newton: results exist in %s; skipping the sweep.", workdir)

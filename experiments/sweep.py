@@ -25,6 +25,19 @@ depth is the scan length, so a whole sweep of one form traces exactly once
 items is sharded over ``jax.devices()`` along a 1-D mesh axis ``batch``
 (``Mesh`` + ``NamedSharding``), padded to a multiple of the device count.
 
+Resuming: each finished chunk of items is saved at once as
+``partial_<form>_items<start>-<start + size>.npz`` (atomically), each finished
+form as ``partial_<form>.json``, and ``results.json`` last; a rerun of the same
+config loads what exists and computes only the rest. The chunk size depends on
+the device count, and is part of the file name, so chunks saved under another
+device count are recomputed, never misread.
+
+Multi-host (``--distributed``): process 0 alone writes; every process runs the
+same chunks. After process 0 has claimed the workdir (which may delete an old
+run's files) all processes meet at a barrier, and process 0's view of what is
+finished is broadcast, so all agree on the work left. The workdir must be on a
+filesystem every process sees (they read the finished files process 0 names).
+
 A cell (form, lam, eta) is ``diverged`` when ``eta`` is at or past the GD
 stability limit ``2 / (lambda_max(X^T X/N) + lam)`` of any of its tasks, or any
 of its iterates is not finite. Diverged cells are kept in ``results.json``
@@ -42,6 +55,7 @@ from absl import app
 from absl import flags
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jax.numpy as jnp
 import ml_collections
@@ -175,29 +189,109 @@ def _put(array: np.ndarray, sharding: NamedSharding) -> Array:
                                       lambda index: array[index])
 
 
+def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+  """Saves ``arrays`` as one ``.npz`` file, atomically."""
+  common._atomic_write(path, lambda f: np.savez(f, **arrays))  # pylint: disable=protected-access
+
+
+def read_npz(path: str) -> dict[str, np.ndarray]:
+  """The arrays :func:`write_npz` saved in ``path``."""
+  with np.load(path) as data:
+    return {name: data[name] for name in data.files}
+
+
+def _n_items(config: ml_collections.ConfigDict) -> int:
+  return len(config.lams) * len(config.etas) * config.n_tasks
+
+
+def chunk_starts(config: ml_collections.ConfigDict, n_devices: int
+                 ) -> tuple[int, list[int]]:
+  """``(size, starts)``: the chunks of the flat batch, a function of the config and device count.
+
+  ``size`` is ``config.chunk_size`` (at most the batch) rounded up to a
+  multiple of ``n_devices``; the last chunk is padded to it.
+  """
+  n_items = _n_items(config)
+  size = -(-min(config.chunk_size, n_items) // n_devices) * n_devices
+  return size, list(range(0, n_items, size))
+
+
+def _form_file(name: str) -> str:
+  return f"partial_{name}.json"
+
+
+def _chunk_file(name: str, start: int, size: int) -> str:
+  return f"partial_{name}_items{start}-{start + size}.npz"
+
+
+def _finished(workdir: str, config: ml_collections.ConfigDict, size: int,
+              starts: list[int]) -> dict[str, np.ndarray]:
+  """What earlier runs finished, as process 0 sees it, the same on every process.
+
+  Returns ``results`` (a bool), ``forms [n_forms]`` and
+  ``chunks [n_forms, n_chunks]`` (bool arrays): which of ``results.json``,
+  ``partial_<form>.json`` and the chunk files exist.
+  """
+  exists = lambda name: os.path.exists(os.path.join(workdir, name))
+  flags = dict(
+      results=np.asarray(exists("results.json"), np.int32),
+      forms=np.asarray([exists(_form_file(n)) for n in config.forms],
+                       np.int32),
+      chunks=np.asarray([[exists(_chunk_file(n, s, size)) for s in starts]
+                         for n in config.forms], np.int32))
+  if jax.process_count() > 1:
+    # Process 0 may have just deleted an old run (--overwrite): it waits
+    # here for everyone, and everyone takes its word on what is done.
+    multihost_utils.sync_global_devices("elsa-sweep-workdir")
+    flags = multihost_utils.broadcast_one_to_all(flags)
+  return {k: np.asarray(v).astype(bool) for k, v in flags.items()}
+
+
+def _read_finished(path: str, read):
+  """``read(path)`` of a file process 0 reported as finished."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f"sweep: process 0 finished {path!r} but this process cannot see it; "
+        "the workdir must be on a filesystem every process shares.")
+  return read(path)
+
+
 def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
-              mesh: Mesh, progress: common.Progress) -> dict:
-  """All chunks of one form through one compiled function; returns the records."""
+              mesh: Mesh, progress: common.Progress, *, workdir: str,
+              chunks_done: np.ndarray, writer: bool) -> dict:
+  """All chunks of one form through one compiled function; returns the records.
+
+  Chunks flagged in ``chunks_done`` are loaded from their files; every other
+  chunk is computed and (by the ``writer``) saved as soon as it is done.
+  """
   form = make_form(name, config)
   traces = []
   measure = build_measure(form, depth=config.depth, mesh=mesh,
                           on_trace=lambda: traces.append(1))
-  n_items, n_dev = len(items["lam"]), mesh.size
-  chunk = -(-min(config.chunk_size, n_items) // n_dev) * n_dev
+  n_items = len(items["lam"])
+  size, starts = chunk_starts(config, mesh.size)
   split = NamedSharding(mesh, PartitionSpec("batch"))
   inputs = ("x", "y", "x_query", "lam", "eta")
   outputs = {metric: [] for metric in _METRICS}
   with jax.default_matmul_precision("highest"):
-    for start in range(0, n_items, chunk):
-      # Every chunk has the same shape (the last is padded with item 0), so
-      # the function compiles once.
-      index = np.arange(start, start + chunk)
-      index = np.where(index < n_items, index, 0)
-      out = measure(*(_put(items[k][index], split) for k in inputs))
-      real = min(chunk, n_items - start)
+    for start, done in zip(starts, chunks_done):
+      path = os.path.join(workdir, _chunk_file(name, start, size))
+      real = min(size, n_items - start)
+      if done:
+        out = _read_finished(path, read_npz)
+        progress.resumed(real)
+      else:
+        # Every chunk has the same shape (the last is padded with item 0), so
+        # the function compiles once.
+        index = np.arange(start, start + size)
+        index = np.where(index < n_items, index, 0)
+        out = measure(*(_put(items[k][index], split) for k in inputs))
+        out = {metric: np.asarray(out[metric])[:real] for metric in _METRICS}
+        if writer:
+          write_npz(path, out)
+        progress.update(real)
       for metric in _METRICS:
-        outputs[metric].append(np.asarray(out[metric])[:real])
-      progress.update(real)
+        outputs[metric].append(out[metric])
   outputs = {k: np.concatenate(v) for k, v in outputs.items()}
   return dict(records=_records(name, config, outputs, items["unstable"]),
               traces=len(traces))
@@ -272,10 +366,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
         overwrite: bool = False) -> dict:
   """Runs (or resumes, or skips) the sweep of ``config`` into ``workdir``.
 
-  Writes ``config.json``, ``partial_<form>.json`` after each form,
-  ``figures/*.png`` and finally ``results.json`` (all atomically): a rerun
-  with the same config returns the finished results or redoes only the
-  forms without a partial file.
+  Writes ``config.json``, a ``partial_<form>_items*.npz`` file after each
+  chunk, ``partial_<form>.json`` after each form, ``figures/*.png`` and
+  finally ``results.json`` (all atomically): a rerun with the same config
+  returns the finished results, or computes only the chunks not saved yet.
+  ``results['traces']`` counts, per form, the compiles of the run that
+  finished it (0 when it only loaded saved chunks).
 
   Returns:
     The results dict (what ``results.json`` holds).
@@ -288,9 +384,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   writer = jax.process_index() == 0
   if writer:
     common.prepare_workdir(workdir, config, overwrite=overwrite)
-  done = common.read_json(os.path.join(workdir, "results.json"))
-  if done is not None:
+  mesh = Mesh(np.array(jax.devices()), ("batch",))
+  size, starts = chunk_starts(config, mesh.size)
+  finished = _finished(workdir, config, size, starts)
+  if finished["results"]:
     logging.info("%s: results of this config exist; nothing to do.", workdir)
+    done = _read_finished(os.path.join(workdir, "results.json"),
+                          common.read_json)
     print(summary_table(done))
     return done
 
@@ -299,19 +399,27 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     make_form(name, config)  # a bad name or shape fails before any work
   dtype = jnp.float64 if config.x64 else jnp.float32
   items = _grid_items(config, dtype)
-  mesh = Mesh(np.array(jax.devices()), ("batch",))
-  partial = {name: common.read_json(
-      os.path.join(workdir, f"partial_{name}.json")) for name in config.forms}
-  todo = [name for name in config.forms if partial[name] is None]
-  logging.info("sweep: %d forms to run (%s), %d items each, on %d %s devices",
-               len(todo), ", ".join(todo), len(items["lam"]), mesh.size,
-               jax.default_backend())
-  progress = common.Progress(len(todo) * len(items["lam"]), name="sweep",
+  n_items = len(items["lam"])
+  partial = {}
+  for name, done in zip(config.forms, finished["forms"]):
+    if done:
+      partial[name] = _read_finished(os.path.join(workdir, _form_file(name)),
+                                     common.read_json)
+  todo = [name for name in config.forms if name not in partial]
+  logging.info("sweep: %d forms to run (%s), %d items each in chunks of %d, "
+               "on %d %s devices", len(todo), ", ".join(todo), n_items, size,
+               mesh.size, jax.default_backend())
+  progress = common.Progress(len(config.forms) * n_items, name="sweep",
                              unit="tasks")
-  for name in todo:
-    partial[name] = _run_form(name, config, items, mesh, progress)
+  progress.resumed(len(partial) * n_items)
+  for name, chunks_done in zip(config.forms, finished["chunks"]):
+    if name in partial:
+      continue
+    partial[name] = _run_form(name, config, items, mesh, progress,
+                              workdir=workdir, chunks_done=chunks_done,
+                              writer=writer)
     if writer:
-      common.write_json(os.path.join(workdir, f"partial_{name}.json"),
+      common.write_json(os.path.join(workdir, _form_file(name)),
                         partial[name])
 
   records = [r for name in config.forms for r in partial[name]["records"]]

@@ -3,20 +3,61 @@
 import json
 import os
 
+import jax
+import matplotlib
+import matplotlib.pyplot as plt
 import pytest
 
+from experiments import common
 from experiments import newton
 from experiments.configs import newton as newton_config
 
 
-def test_driver_writes_results_figure_and_resumes(tmp_path):
-  config = newton_config.get_config("tiny")
-  workdir = str(tmp_path / "run")
-  results = newton.run(config, workdir)
-  for name in ("config.json", "results.json", "figures/newton_layers.png"):
-    assert os.path.exists(os.path.join(workdir, name)), name
-  with open(os.path.join(workdir, "results.json"), encoding="utf-8") as f:
-    assert json.load(f) == results
+def _read(workdir, name):
+  with open(os.path.join(workdir, name), encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _spy(monkeypatch, *, nan_at=None):
+  """Records the kappas computed, the matmul precision and resumed counts.
+
+  ``nan_at``: the kappa whose first float32 floor is made NaN (as a
+  diverged run would give).
+  """
+  seen = dict(kappas=[], precision=[], resumed=[])
+  real_result, real_decoder = newton._kappa_result, newton.newton_decoder
+
+  def kappa_result(config, kappa, rng, decoder):
+    seen["kappas"].append(kappa)
+    out = real_result(config, kappa, rng, decoder)
+    if kappa == nan_at:
+      out["newton_float32_safe_floor"][0] = float("nan")
+    return out
+
+  def decoder(*args, **kwargs):
+    decode = real_decoder(*args, **kwargs)
+
+    def recorded(*arrays):
+      seen["precision"].append(jax.config.jax_default_matmul_precision)
+      return decode(*arrays)
+    return recorded
+
+  class Progress(common.Progress):
+    def resumed(self, count):
+      seen["resumed"].append(count)
+      super().resumed(count)
+
+  def no_backend_switch(*args, **kwargs):
+    raise AssertionError("the plot must not switch matplotlib's backend")
+
+  monkeypatch.setattr(newton, "_kappa_result", kappa_result)
+  monkeypatch.setattr(newton, "newton_decoder", decoder)
+  monkeypatch.setattr(common, "Progress", Progress)
+  monkeypatch.setattr(matplotlib, "use", no_backend_switch)
+  return seen
+
+
+def _check_counts(results, config):
   rows = newton.summary_rows(results)
   assert [r["kappa"] for r in rows] == config.kappas
   for r, raw in zip(rows, results["per_kappa"]):
@@ -27,8 +68,44 @@ def test_driver_writes_results_figure_and_resumes(tmp_path):
     assert r["floor_f64"] < 1e-12
   assert results["per_kappa"][0]["gd_check"] is True
   assert "| kappa |" in newton.markdown_table(results)
+
+
+def test_driver_writes_results_figure_and_resumes(tmp_path, monkeypatch):
+  """Files, counts, NaN as null, per-kappa resume, skip, refuse, overwrite."""
+  config = newton_config.get_config("tiny")
+  workdir = str(tmp_path / "run")
+  figures = len(plt.get_fignums())
+  with monkeypatch.context() as patch:
+    seen = _spy(patch, nan_at=config.kappas[0])
+    results = newton.run(config, workdir)
+  assert seen["kappas"] == config.kappas and seen["resumed"] == [0]
+  assert seen["precision"] and set(seen["precision"]) == {"highest"}
+  assert len(plt.get_fignums()) == figures  # no pyplot figure left behind
+  for name in ("config.json", "results.json", "figures/newton_layers.png",
+               "partial_kappa0.json", "partial_kappa1.json"):
+    assert os.path.exists(os.path.join(workdir, name)), name
+  # The NaN is None in what run returns, as in the JSON, and the worst
+  # floor is over the finite ones.
+  assert _read(workdir, "results.json") == results
+  floors = results["per_kappa"][0]["newton_float32_safe_floor"]
+  assert floors[0] is None and None not in floors[1:]
+  assert newton.summary_rows(results)[0]["floor_f32"] == max(floors[1:])
+  _check_counts(results, config)
+
+  # Killed after the first kappa: the rerun computes only the second, with
+  # the same tasks (each kappa has its own generator).
+  os.remove(os.path.join(workdir, "results.json"))
+  os.remove(os.path.join(workdir, "partial_kappa1.json"))
+  with monkeypatch.context() as patch:
+    seen = _spy(patch)
+    assert newton.run(config, workdir) == results
+  assert seen["kappas"] == config.kappas[1:] and seen["resumed"] == [1]
+
   # A rerun with the same config skips; a different config is refused.
-  assert newton.run(config, workdir) == results
+  with monkeypatch.context() as patch:
+    seen = _spy(patch)
+    assert newton.run(config, workdir) == results
+  assert not seen["kappas"]
   config.tol = 1e-4
   with pytest.raises(ValueError, match="different config"):
     newton.run(config, workdir)

@@ -5,6 +5,7 @@ float32 max_rel_err 1.5e-7 -> bound 2e-6; float64 ~1e-16 -> bound 1e-10.
 """
 
 import functools
+import importlib
 import json
 import os
 import subprocess
@@ -19,7 +20,6 @@ from elsa import forms
 from elsa import ridge
 from experiments import common
 from experiments import sweep
-from experiments.configs import sweep as default_config
 from experiments.configs import sweep_tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,19 +91,64 @@ def _check_rerun_skips_and_other_config_is_refused(workdir, results,
     sweep.run(_tiny(depth=3), workdir)
 
 
-def _check_interrupted_run_resumes_missing_forms_only(workdir, results,
-                                                      monkeypatch):
-  # A run killed after its first form: no results.json, one partial file.
+class _Killed(Exception):
+  """Stands for a kill signal in the middle of a run."""
+
+
+def _spy(monkeypatch, *, kill_after=None):
+  """Counts compiled-function calls, chunk files written and resumed items."""
+  seen = dict(calls=[], written=[], resumed=[])
+  real_build, real_write = sweep.build_measure, sweep.write_npz
+
+  def build(form, **kwargs):
+    measure = real_build(form, **kwargs)
+
+    def counted(*args):
+      if kill_after is not None and len(seen["calls"]) == kill_after:
+        raise _Killed
+      seen["calls"].append(type(form).__name__)
+      return measure(*args)
+    return counted
+
+  class Progress(common.Progress):
+    def resumed(self, count):
+      seen["resumed"].append(count)
+      super().resumed(count)
+
+  monkeypatch.setattr(sweep, "build_measure", build)
+  monkeypatch.setattr(sweep, "write_npz", lambda path, arrays: (
+      seen["written"].append(os.path.basename(path)),
+      real_write(path, arrays)))
+  monkeypatch.setattr(common, "Progress", Progress)
+  return seen
+
+
+def _check_run_killed_mid_form_loses_no_finished_chunk(workdir, results,
+                                                       monkeypatch):
+  """Killed during the natural form's second chunk, the rerun does only that chunk."""
+  config = _tiny()
+  size, starts = sweep.chunk_starts(config, len(jax.devices()))
+  assert len(starts) == 2
+  natural = [f"partial_natural_items{s}-{s + size}.npz" for s in starts]
+  assert set(natural) <= set(os.listdir(workdir))
   os.remove(os.path.join(workdir, "results.json"))
   os.remove(os.path.join(workdir, "partial_natural.json"))
-  ran = []
-  real = sweep._run_form
+  for name in natural:
+    os.remove(os.path.join(workdir, name))
   with monkeypatch.context() as patch:
-    patch.setattr(sweep, "_run_form",
-                  lambda name, *a: ran.append(name) or real(name, *a))
-    resumed = sweep.run(_tiny(), workdir)
-  assert ran == ["natural"]
+    seen = _spy(patch, kill_after=1)
+    with pytest.raises(_Killed):
+      sweep.run(config, workdir)
+  assert seen["calls"] == ["Natural"] and seen["written"] == natural[:1]
+  assert not os.path.exists(os.path.join(workdir, "partial_natural.json"))
+  with monkeypatch.context() as patch:
+    seen = _spy(patch)
+    resumed = sweep.run(config, workdir)
+  assert seen["calls"] == ["Natural"] and seen["written"] == natural[1:]
+  items = len(config.lams) * len(config.etas) * config.n_tasks
+  assert sum(seen["resumed"]) == items + size  # designed, natural chunk 0
   assert resumed["records"] == results["records"]
+  assert resumed["traces"] == {"designed": 1, "natural": 1}
 
 
 def test_tiny_float32_run(tmp_path, monkeypatch):
@@ -116,13 +161,14 @@ def test_tiny_float32_run(tmp_path, monkeypatch):
   assert items > config.chunk_size  # several calls, the last one padded
   assert results["traces"] == {"designed": 1, "natural": 1}
   _check_rerun_skips_and_other_config_is_refused(workdir, results, monkeypatch)
-  _check_interrupted_run_resumes_missing_forms_only(workdir, results,
-                                                    monkeypatch)
+  _check_run_killed_mid_form_loses_no_finished_chunk(workdir, results,
+                                                     monkeypatch)
   # --overwrite hands a used workdir to another config, dropping old partials.
   other = sweep.run(_tiny(depth=2, forms=("designed",)), workdir,
                     overwrite=True)
   assert {r["depth"] for r in other["records"]} == {1, 2}
-  assert not os.path.exists(os.path.join(workdir, "partial_natural.json"))
+  assert not [name for name in os.listdir(workdir)
+              if name.startswith("partial_natural")]
 
 
 def test_measure_task_detects_a_wrong_stack():
@@ -153,7 +199,7 @@ def test_cli_float64_sharded_on_four_devices_equals_one_device(tmp_path):
              JAX_PLATFORMS="cpu")
   cmd = [sys.executable, "-m", "experiments.sweep",
          "--config=experiments/configs/sweep_tiny.py", "--config.x64=True",
-         "--config.depth=4", f"--workdir={workdir}"]
+         "--config.depth=4", "--config.chunk_size=6", f"--workdir={workdir}"]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=240, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -168,8 +214,18 @@ def test_cli_float64_sharded_on_four_devices_equals_one_device(tmp_path):
   assert "Traceback" not in refused.stderr
   assert sharded["devices"] == 4
   assert sharded["traces"] == {"designed": 1, "natural": 1}
-  single = sweep.run(_tiny(x64=True, depth=4), str(tmp_path / "single"))
-  assert single["devices"] == len(jax.devices())
+  # On one device the chunks are 6 items, not 8: the 4-device chunk files
+  # stay unread and every chunk is computed again.
+  assert len(jax.devices()) == 1
+  for name in ("results.json", "partial_designed.json", "partial_natural.json"):
+    os.remove(os.path.join(workdir, name))
+  single = sweep.run(_tiny(x64=True, depth=4, chunk_size=6), workdir)
+  assert single["devices"] == 1
+  assert single["traces"] == {"designed": 1, "natural": 1}
+  chunk_files = sorted(n for n in os.listdir(workdir) if n.endswith(".npz"))
+  assert chunk_files == sorted(f"partial_{form}_items{span}.npz"
+                               for form in ("designed", "natural")
+                               for span in ("0-8", "8-16", "0-6", "6-12"))
   for results in (sharded, single):
     assert results["dtype"] == "float64"
     assert 0 <= results["max_rel_err"] < F64_BOUND
@@ -186,16 +242,57 @@ def test_cli_float64_sharded_on_four_devices_equals_one_device(tmp_path):
 
 
 def test_configs_name_their_command():
+  """Every config file's docstring starts with the command that runs it."""
   for driver in ("sweep", "train", "newton", "benchmark"):
     assert common.config_path(driver) == os.path.join(
         REPO, "experiments", "configs", f"{driver}.py")
     assert os.path.exists(common.config_path(driver))
-  for module, name in ((default_config, "sweep"), (sweep_tiny, "sweep_tiny")):
-    first = module.__doc__.strip().splitlines()[0]
-    assert first.startswith("python -m experiments.sweep"), first
-    if name != "sweep":
-      assert f"--config=experiments/configs/{name}.py" in first
+  folder = os.path.join(REPO, "experiments", "configs")
+  names = sorted(f[:-3] for f in os.listdir(folder)
+                 if f.endswith(".py") and f != "__init__.py")
+  assert {"sweep", "sweep_tiny", "newton"} <= set(names)
+  for name in names:
+    module = importlib.import_module(f"experiments.configs.{name}")
+    first = (module.__doc__ or "").strip().splitlines()[0]
+    assert first.startswith("python -m experiments."), (name, first)
+    driver = first.split()[2].split(".")[1]
+    if name != driver:  # not the driver's default config: name it
+      assert f"--config=experiments/configs/{name}.py" in first, (name, first)
     module.get_config()  # builds
+
+
+def test_other_processes_take_process_0s_word_on_what_is_done(tmp_path,
+                                                              monkeypatch):
+  """Process 1 of 2 waits for process 0 and skips only what process 0 reports done.
+
+  Process 0 (not run here) claims the workdir with --overwrite, deleting the
+  old run there; process 1 may still see the old files, and must not take
+  them for finished work of its own config.
+  """
+  workdir = str(tmp_path)
+  common.write_json(os.path.join(workdir, "config.json"), {"depth": 99})
+  for name in ("results.json", "partial_designed.json"):
+    common.write_json(os.path.join(workdir, name), {"stale": True})
+  before = sorted(os.listdir(workdir))
+  synced, broadcast = [], []
+
+  def from_process_0(flags):
+    broadcast.append(jax.tree.map(np.copy, flags))
+    assert synced  # after the barrier
+    return jax.tree.map(np.zeros_like, flags)  # process 0: nothing done
+
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(sweep.multihost_utils, "sync_global_devices",
+                      synced.append)
+  monkeypatch.setattr(sweep.multihost_utils, "broadcast_one_to_all",
+                      from_process_0)
+  config = _tiny(forms=("designed",), depth=2)
+  results = sweep.run(config, workdir, overwrite=True)
+  assert synced == ["elsa-sweep-workdir"]
+  assert len(broadcast) == 1 and broadcast[0]["results"]  # it saw the stale file
+  assert {r["depth"] for r in results["records"]} == {1, 2}
+  assert sorted(os.listdir(workdir)) == before  # only process 0 writes
 
 
 def test_bad_eta_mode_is_refused(tmp_path):
