@@ -1,6 +1,6 @@
 r"""Measured speed: the ELSA primitive, deep stacks, and the sweep kernel.
 
-  python -m experiments.benchmark --config=experiments/configs/benchmark.py --workdir=runs/benchmark
+  python -m experiments.benchmark --workdir=runs/benchmark
 
 Three parts, each a list of rows in ``results.json`` and a printed table:
 
@@ -20,21 +20,27 @@ Three parts, each a list of rows in ``results.json`` and a printed table:
    allocates beyond its arguments.
 2. ``stack``: ``elsa_stack`` compile (lower + XLA compile) and run time at
    several depths; ``lax.scan`` keeps compile time flat in depth.
-3. ``sweep``: the sweep kernel, ``L`` layers of the GD stack of an input form
-   over a (lambda, eta) grid and a batch of tasks, in grid x tasks x layers
-   per second, against ``elsa.ridge.gd`` on the same grid.
+3. ``sweep``: the sweep's own kernel, ``experiments.sweep.build_measure``
+   (a depth-``L`` GD stack of an input form run with ``return_all``, every
+   state decoded and compared with GD iterate ``t`` and with the ridge
+   solution), on a flat (lambda, eta, task) batch laid out as the sweep's
+   (``experiments.sweep._grid_items``: step sizes are fractions of each
+   task's stability limit), under
+   ``jax.default_matmul_precision("highest")`` as the sweep runs it. It is
+   timed against direct GD (``elsa.ridge.gd``, all ``L + 1`` iterates) under
+   the same ``vmap`` and shardings on the same items, at several task batches,
+   in items x layers per second (an item is one (lambda, eta, task)). The row's ``max_rel_err`` is the kernel's
+   own ELSA-vs-GD error: the timed work is the real computation.
 
-Times are medians of several calls after warm-up, each call ended by
+Times are medians of several calls after warm-up (if any), each call ended by
 ``block_until_ready``. The platform, device and CPU load are recorded.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import platform
-import sys
 import time
 from typing import Any, Callable
 
@@ -42,12 +48,14 @@ from absl import app
 from absl import logging
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import ml_collections
 import numpy as np
 
 import elsa
 from elsa import ridge
 from experiments import common
+from experiments import sweep
 
 _GIB = 2.0 ** 30
 
@@ -66,6 +74,26 @@ def quadratic_elsa(p: elsa.ElsaParams, h: jax.Array) -> jax.Array:
   """``elsa(p, h)`` in the order of standard attention code: ``(Q K^T) V``."""
   q, k, v = h @ p.w3 + p.b3, h @ p.w1 + p.b1, h @ p.w2 + p.b2
   return (q @ k.T) @ v
+
+
+def normal(rng: np.random.Generator, shape, dtype, *, scale: float = 1.0
+           ) -> jax.Array:
+  """``scale`` times standard normal ``shape``, drawn by numpy.
+
+  ``jax.random`` would compile a sampling kernel for every new shape: seconds
+  on a loaded CPU, for numbers whose values do not matter to a timing.
+  """
+  return jnp.asarray(scale * rng.standard_normal(shape), dtype)
+
+
+def random_params(rng: np.random.Generator, *, m: int, n: int, k: int,
+                  lead: tuple[int, ...] = (), scale: float, dtype
+                  ) -> elsa.ElsaParams:
+  """Normal ``ElsaParams`` (``v = n``) with leaves ``[*lead, ...]``, std ``scale``."""
+  shapes = jax.eval_shape(lambda: elsa.ElsaParams.zeros(
+      m=m, n=n, k=k, v=n, lead=lead, dtype=dtype))
+  return elsa.ElsaParams(*(normal(rng, leaf.shape, dtype, scale=scale)
+                           for leaf in shapes))
 
 
 def time_call(fn: Callable[[], Any], *, config: ml_collections.ConfigDict
@@ -125,7 +153,7 @@ def square_matmul(config: ml_collections.ConfigDict) -> dict[str, float]:
   narrow ``[m, n] @ [n, F]`` matmuls, so it is not a ceiling there.
   """
   s, dtype = config.square_matmul_size, jnp.dtype(config.dtype)
-  a = jax.random.normal(jax.random.key(config.seed), (s, s), dtype)
+  a = normal(np.random.default_rng(config.seed), (s, s), dtype)
   matmul = jax.jit(jnp.matmul).lower(a, a).compile()
   timing = time_call(lambda: matmul(a, a), config=config)
   return dict(size=s, gflops=2 * s ** 3 / timing["median_s"] / 1e9, **timing)
@@ -136,9 +164,9 @@ def primitive_row(m: int, n: int, config: ml_collections.ConfigDict
   """ELSA, the same-FLOP matmul and the quadratic order at one ``(m, n)``."""
   k = v = n
   dtype = jnp.dtype(config.dtype)
-  key_p, key_h, key_b = jax.random.split(jax.random.key(config.seed), 3)
-  p = elsa.ElsaParams.init(key_p, m=m, n=n, k=k, v=v, dtype=dtype)
-  h = jax.random.normal(key_h, (m, n), dtype)
+  rng = np.random.default_rng(config.seed)
+  p = random_params(rng, m=m, n=n, k=k, scale=n ** -0.5, dtype=dtype)
+  h = normal(rng, (m, n), dtype)
   flops = elsa_flops(m, n, k, v)
   row = dict(m=m, n=n, k=k, v=v, flops=flops)
 
@@ -148,7 +176,7 @@ def primitive_row(m: int, n: int, config: ml_collections.ConfigDict
   row["elsa"]["gflops"] = flops / row["elsa"]["median_s"] / 1e9
 
   width = math.ceil(flops / (2 * m * n))
-  b = jax.random.normal(key_b, (n, width), dtype)
+  b = normal(rng, (n, width), dtype)
   matmul = jax.jit(jnp.matmul).lower(h, b).compile()
   row["matmul"] = time_call(lambda: matmul(h, b), config=config)
   row["matmul"].update(shape=[m, n, width],
@@ -194,11 +222,11 @@ def run_primitive(config: ml_collections.ConfigDict) -> dict[str, Any]:
 def _stack_inputs(config: ml_collections.ConfigDict, depth: int):
   dtype = jnp.dtype(config.dtype)
   m, n, c = config.stack_tokens, config.stack_width, config.stack_components
-  key_p, key_h = jax.random.split(jax.random.key(config.seed))
+  rng = np.random.default_rng(config.seed)
   # Small weights keep a deep cubic map from overflowing; speed is the point.
-  p = elsa.ElsaParams.init(key_p, m=m, n=n, k=n, lead=(depth, c),
-                           scale=0.1 / n, dtype=dtype)
-  return p, jax.random.normal(key_h, (m, n), dtype)
+  p = random_params(rng, m=m, n=n, k=n, lead=(depth, c), scale=0.1 / n,
+                    dtype=dtype)
+  return p, normal(rng, (m, n), dtype)
 
 
 def _unrolled_stack(p: elsa.ElsaParams, h: jax.Array) -> jax.Array:
@@ -211,10 +239,8 @@ def stack_row(depth: int, fn, config: ml_collections.ConfigDict
               ) -> dict[str, Any]:
   """Lower, compile (median of ``compile_reps``) and run ``fn`` at one depth.
 
-  Compilation is timed on abstract inputs (shapes and dtypes only) before
-  the concrete ones exist: drawing ``depth`` layers of random parameters is
-  dispatched asynchronously and would otherwise run during, and be counted
-  in, the compile time.
+  Compilation is timed on abstract inputs (shapes and dtypes only), before
+  the ``depth`` layers of random parameters are drawn.
   """
   specs = jax.eval_shape(lambda: _stack_inputs(config, depth))
   lower_s, compile_s = [], []
@@ -235,99 +261,114 @@ def stack_row(depth: int, fn, config: ml_collections.ConfigDict
 
 def run_stack(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """Part 2: compile and run time of ``elsa_stack`` (and an unrolled loop)."""
-  scan = [stack_row(depth, elsa.elsa_stack, config)
-          for depth in config.stack_depths]
-  unrolled = [stack_row(depth, _unrolled_stack, config)
-              for depth in config.unrolled_depths]
-  first, last = scan[0], scan[-1]
-  return dict(scan=scan, unrolled=unrolled,
-              compile_ratio_deepest_to_shallowest=(
+  progress = common.Progress(
+      len(config.stack_depths) + len(config.unrolled_depths), name="stack",
+      unit="depths", every_s=0.0)
+  rows = dict(scan=[], unrolled=[])
+  for kind, fn, depths in (("scan", elsa.elsa_stack, config.stack_depths),
+                           ("unrolled", _unrolled_stack,
+                            config.unrolled_depths)):
+    for depth in depths:
+      rows[kind].append(stack_row(depth, fn, config))
+      progress.update()
+  first, last = rows["scan"][0], rows["scan"][-1]
+  return dict(**rows, compile_ratio_deepest_to_shallowest=(
                   (last["lower_s"] + last["compile_s"]) /
                   (first["lower_s"] + first["compile_s"])))
 
 
-def _import_forms(wait_s: float):
-  """``elsa.forms`` with ``Designed`` and ``Natural``, waiting up to ``wait_s``
-  seconds for it (it may be written while this runs); ``None`` if missing."""
-  deadline = time.monotonic() + wait_s
-  while True:
-    try:
-      forms = importlib.import_module("elsa.forms")
-      if hasattr(forms, "Designed") and hasattr(forms, "Natural"):
-        return forms
-      problem = "it has no Designed / Natural"
-    except ImportError as error:
-      problem = str(error)
-    if time.monotonic() > deadline:
-      logging.warning("elsa.forms is not usable (%s): sweep skipped.", problem)
-      return None
-    logging.info("waiting for elsa.forms (%s)", problem)
-    sys.modules.pop("elsa.forms", None)
-    importlib.invalidate_caches()
-    time.sleep(30)
+def sweep_items(config: ml_collections.ConfigDict, *, batch: int, dtype
+                ) -> dict[str, np.ndarray]:
+  """The flat (lam, eta, task) batch of ``experiments.sweep`` for ``batch`` tasks.
 
-
-def sweep_kernels(form, depth: int):
-  """The two jitted kernels: final ``w`` of every (grid point, task).
-
-  Both take ``x [B, N, d], y [B, N], x_query [B, Q, d]`` and ``lams, etas
-  [G]`` and return ``[G, B, d]``.
+  The layout of the sweep's own items: ``x [G, N, d]``, ``y [G, N]``,
+  ``x_query [G, Q, d]``, ``lam [G]``, ``eta [G]`` with ``G = len(lams) *
+  len(eta_fractions) * batch``; each ``eta`` is a fraction (< 1) of its
+  task's GD stability limit ``2 / (lambda_max(X^T X / N) + lam)``, so every
+  item converges and the timed work is the work of a stable sweep cell.
   """
+  rng = np.random.default_rng(config.seed)
+  n, d, q = config.sweep_n_train, config.sweep_d, config.sweep_n_query
+  # Random linear tasks y = x w + 0.1 eps (as ridge.sample_tasks draws them).
+  x = rng.standard_normal((batch, n, d))
+  y = np.einsum("bnd,bd->bn", x, rng.standard_normal((batch, d)))
+  y += 0.1 * rng.standard_normal((batch, n))
+  x_query = rng.standard_normal((batch, q, d))
+  lams = np.asarray(config.sweep_lams, np.float64)
+  fractions = np.asarray(config.sweep_eta_fractions, np.float64)
+  top = np.linalg.eigvalsh(np.swapaxes(x, 1, 2) @ x / n)[:, -1]  # [batch]
+  limit = 2 / (top[None, :] + lams[:, None])  # [lams, batch]
+  shape = (len(lams), len(fractions), batch)
+  task_index = np.broadcast_to(np.arange(batch), shape).reshape(-1)
+  items = dict(x=x[task_index], y=y[task_index], x_query=x_query[task_index],
+               lam=np.broadcast_to(lams[:, None, None], shape).reshape(-1),
+               eta=(fractions[None, :, None] * limit[:, None, :]).reshape(-1))
+  return {k: v.astype(dtype) for k, v in items.items()}
 
-  def attention(x, y, x_query, lams, etas):
-    h0 = form.encode(x, y, x_query=x_query)
 
-    def one(lam, eta):
-      params = form.gd_params(lam=lam, eta=eta, depth=depth)
-      return form.decode_w(elsa.elsa_stack(params, h0)).reshape(x.shape[0], -1)
+def _gd_kernel(*, depth: int, mesh: Mesh):
+  """Direct GD on the sweep's items: ``ridge.gd`` under the sweep's vmap and
+  shardings; ``(x, y, x_query, lam, eta) -> [B, depth + 1, d]`` iterates."""
+  split = NamedSharding(mesh, PartitionSpec("batch"))
 
-    return jax.vmap(one)(lams, etas)
-
-  def gd(x, y, x_query, lams, etas):
+  def gd(x, y, x_query, lam, eta):
     del x_query  # GD does not look at the queries.
-    one = lambda lam, eta: ridge.gd(x, y, lam=lam, eta=eta, steps=depth)[-1]
-    return jax.vmap(one)(lams, etas).reshape(lams.shape[0], x.shape[0], -1)
+    one = lambda x, y, lam, eta: ridge.gd(x, y, lam=lam, eta=eta, steps=depth)
+    return jax.vmap(one)(x, y, lam, eta)
 
-  return jax.jit(attention), jax.jit(gd)
+  return jax.jit(gd, in_shardings=(split,) * 5,
+                 out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def run_sweep(config: ml_collections.ConfigDict) -> dict[str, Any] | None:
-  """Part 3: grid x tasks x layers per second, attention stack against GD."""
-  forms = _import_forms(config.forms_wait_s)
-  if forms is None:
-    return None
-  dtype = jnp.dtype(config.dtype)
-  form_class = dict(designed=forms.Designed, natural=forms.Natural)[
-      config.sweep_form]
-  form = form_class(n_train=config.sweep_n_train, d=config.sweep_d,
-                    n_query=config.sweep_n_query, n_out=1)
-  attention, gd = sweep_kernels(form, config.sweep_depth)
-  grid = config.sweep_grid
-  lams = jnp.linspace(0.0, 0.5, grid, dtype=dtype)
-  # Small steps keep every grid point convergent for unit-variance inputs.
-  etas = jnp.linspace(0.05, 0.3, grid, dtype=dtype)
+def sweep_row(form, batch: int, mesh: Mesh, config: ml_collections.ConfigDict
+              ) -> dict[str, Any]:
+  """The sweep kernel and direct GD at one task batch, compiled and timed."""
+  depth = config.sweep_depth
+  items = sweep_items(config, batch=batch, dtype=jnp.dtype(config.dtype))
+  n_items = len(items["lam"])
+  # The sweep pads its chunks to a multiple of the device count the same way.
+  padded = -(-n_items // mesh.size) * mesh.size
+  index = np.where(np.arange(padded) < n_items, np.arange(padded), 0)
+  split = NamedSharding(mesh, PartitionSpec("batch"))
+  args = [jax.device_put(items[k][index], split)
+          for k in ("x", "y", "x_query", "lam", "eta")]
+  kernels = dict(sweep_kernel=sweep.build_measure(form, depth=depth, mesh=mesh),
+                 gd=_gd_kernel(depth=depth, mesh=mesh))
+  row = dict(batch=batch, grid=n_items // batch, items=n_items,
+             padded_items=padded, depth=depth, m=form.m, n=form.n)
+  for name, kernel in kernels.items():
+    start = time.perf_counter()
+    compiled = kernel.lower(*args).compile()
+    row[name] = dict(compile_s=time.perf_counter() - start,
+                     **time_call(lambda c=compiled: c(*args), config=config))
+    row[name]["item_layers_per_s"] = (n_items * depth /
+                                      row[name]["median_s"])
+    if name == "sweep_kernel":
+      # The kernel checks itself: ELSA iterate t against GD iterate t.
+      rel_err = np.asarray(compiled(*args)["rel_err"])[:n_items]
+      row["max_rel_err"] = float(np.max(rel_err))
+  row["sweep_kernel_over_gd_time"] = (row["sweep_kernel"]["median_s"] /
+                                      row["gd"]["median_s"])
+  return row
+
+
+def run_sweep(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Part 3: the sweep kernel against direct GD, at every task batch."""
+  form = sweep.make_form(config.sweep_form, ml_collections.ConfigDict(dict(
+      n_train=config.sweep_n_train, d=config.sweep_d,
+      n_query=config.sweep_n_query)))
+  mesh = Mesh(np.array(jax.devices()), ("batch",))
+  progress = common.Progress(len(config.sweep_batches), name="sweep",
+                             unit="cases", every_s=0.0)
   rows = []
-  for batch in config.sweep_batches:
-    task = ridge.sample_tasks(
-        jax.random.key(config.seed), batch=batch, n_train=config.sweep_n_train,
-        d=config.sweep_d, n_query=config.sweep_n_query, noise=0.1, dtype=dtype)
-    args = (task.x, task.y, task.x_query, lams, etas)
-    work = grid * batch * config.sweep_depth
-    row = dict(batch=batch, grid=grid, depth=config.sweep_depth, m=form.m,
-               n=form.n)
-    final_w = {}
-    for name, kernel in (("attention", attention), ("gd", gd)):
-      compiled = kernel.lower(*args).compile()
-      row[name] = time_call(lambda c=compiled: c(*args), config=config)
-      row[name]["task_layers_per_s"] = work / row[name]["median_s"]
-      final_w[name] = compiled(*args)
-    w_attention, w_gd = final_w["attention"], final_w["gd"]
-    row["max_abs_w_difference"] = float(jnp.max(jnp.abs(w_attention - w_gd)))
-    row["max_abs_w"] = float(jnp.max(jnp.abs(w_gd)))
-    row["gd_over_attention_time"] = (row["attention"]["median_s"] /
-                                     row["gd"]["median_s"])
-    rows.append(row)
-  return dict(form=config.sweep_form, rows=rows)
+  # The sweep's precision: exact float32 products on GPU/TPU as on CPU.
+  with jax.default_matmul_precision("highest"):
+    for batch in config.sweep_batches:
+      rows.append(sweep_row(form, batch, mesh, config))
+      progress.update()
+  return dict(form=config.sweep_form, lams=list(config.sweep_lams),
+              eta_fractions=list(config.sweep_eta_fractions),
+              devices=mesh.size, rows=rows)
 
 
 def format_tables(results: dict[str, Any]) -> str:
@@ -362,17 +403,16 @@ def format_tables(results: dict[str, Any]) -> str:
                    f"{r['layer_s'] * 1e6:>9.3g}")
   lines.append("compile time, deepest / shallowest scan: "
                f"{stack['compile_ratio_deepest_to_shallowest']:.2f}")
-  if results["sweep"] is None:
-    lines.append("sweep: skipped (elsa.forms not importable)")
-    return "\n".join(lines)
-  lines.append(f"{'batch':>6} {'grid':>5} {'depth':>6} {'attn task-layers/s':>19} "
-               f"{'gd task-layers/s':>17} {'attn/gd time':>13} {'max |dw|':>9}")
+  lines.append(f"sweep kernel ({results['sweep']['form']} form) vs direct GD:")
+  lines.append(f"{'batch':>6} {'grid':>5} {'depth':>6} "
+               f"{'sweep item-layers/s':>20} {'gd item-layers/s':>17} "
+               f"{'sweep/gd time':>14} {'max rel_err':>12}")
   for r in results["sweep"]["rows"]:
     lines.append(
         f"{r['batch']:>6} {r['grid']:>5} {r['depth']:>6} "
-        f"{r['attention']['task_layers_per_s']:>19.4g} "
-        f"{r['gd']['task_layers_per_s']:>17.4g} "
-        f"{r['gd_over_attention_time']:>13.3g} {r['max_abs_w_difference']:>9.2g}")
+        f"{r['sweep_kernel']['item_layers_per_s']:>20.4g} "
+        f"{r['gd']['item_layers_per_s']:>17.4g} "
+        f"{r['sweep_kernel_over_gd_time']:>14.3g} {r['max_rel_err']:>12.2g}")
   return "\n".join(lines)
 
 

@@ -1,10 +1,14 @@
-"""Figures of the sweep, drawn from its records (the dicts in ``results.json``).
+"""Figures of the sweep and of the training run, drawn from their ``results.json``.
 
-Every function takes the record list and returns a ``matplotlib.figure.Figure``
-built without pyplot, so it works headless, in a notebook and under any
-backend; save it with :func:`experiments.common.save_figure`. Diverged cells
-(``eta`` past the GD stability limit) never enter an error curve: the heatmap
-shows them greyed out and labelled, the curves leave them out and say how many.
+Every function returns a ``matplotlib.figure.Figure`` built without pyplot, so
+it works headless, in a notebook and under any backend without switching it;
+save it with :func:`experiments.common.save_figure`.
+
+Sweep figures take the record list. Diverged cells (``eta`` past the GD
+stability limit) never enter an error curve: the heatmap shows them greyed
+out and labelled, the curves leave them out and say how many.
+
+Training figures take the results dict of ``experiments.train``.
 """
 
 from __future__ import annotations
@@ -108,4 +112,66 @@ def final_error_heatmap(records: list[dict], *, forms: list[str]) -> Figure:
     ax.set_ylabel("λ")
     depth = max((cell[-1]["depth"] for cell in cells.values()), default=0)
     ax.set_title(f"{form}: ELSA vs GD at depth {depth}")
+  return fig
+
+
+# Training (experiments/train.py).
+
+
+def train_loss(results: dict) -> Figure:
+  """Training MSE against step (means over ``log_every`` steps), a line per model and depth."""
+  fig = Figure(figsize=(6, 4), layout="constrained")
+  ax = fig.add_subplot()
+  for name, curves in results["train_loss"].items():
+    for depth, curve in zip(results["depths"], curves):
+      ax.plot(curve, label=f"{name} L={depth}",
+              linestyle="-" if name.startswith("elsa") else "--")
+  ax.set(xlabel="step (mean over chunks)", ylabel="train MSE", yscale="log",
+         title="Training loss")
+  ax.legend(fontsize=7)
+  return fig
+
+
+def test_loss_vs_depth(results: dict) -> Figure:
+  """In-distribution test MSE against depth, with 95% bars (1.96 standard errors)."""
+  fig = Figure(figsize=(6, 4), layout="constrained")
+  ax = fig.add_subplot()
+  for name, losses in results["test_loss"].items():
+    ax.errorbar(results["depths"], losses,
+                yerr=1.96 * np.asarray(results["test_loss_se"][name]),
+                marker="o", capsize=3, label=name)
+  ax.set(xlabel="depth L (layers = GD steps)", ylabel="test MSE",
+         yscale="log", title="Test loss vs depth (in distribution)")
+  ax.legend(fontsize=7)
+  return fig
+
+
+def trained_vs_gd(results: dict) -> Figure:
+  """Distance of trained ELSA from GD (best eta) against depth: predictions (left), query sensitivities (right)."""
+  fig = Figure(figsize=(10, 4), layout="constrained")
+  axes = fig.subplots(1, 2)
+  depths = results["depths"]
+  for ax, key in zip(axes, ("pred_mse_to_gd", "sensitivity_mse_to_gd")):
+    ax.plot(depths, results["elsa_trained_vs_gd"][key], "o-",
+            label="in distribution")
+    for shift, res in results["shifted"].items():
+      ax.plot(depths, res["elsa_trained_vs_gd"][key], ".:", label=shift)
+    ax.set(xlabel="depth L", ylabel=key, yscale="log",
+           title=f"trained ELSA vs GD(best eta): {key}")
+  axes[1].legend(fontsize=6)
+  return fig
+
+
+def shifted_test_loss(results: dict) -> Figure:
+  """Test MSE of trained models, GD and ridge under every shift, a panel per depth."""
+  depths, shifts = results["depths"], list(results["shifted"])
+  fig = Figure(figsize=(4 * len(depths), 4), layout="constrained")
+  axes = fig.subplots(1, len(depths), squeeze=False)[0]
+  for ax, i in zip(axes, range(len(depths))):
+    for model in ("elsa_trained", "lsa_trained", "gd_best_eta", "ridge"):
+      ax.plot(shifts, [results["shifted"][s]["test_loss"][model][i]
+                       for s in shifts], "o-", label=model)
+    ax.set(yscale="log", title=f"L={depths[i]}: test MSE under shift")
+    ax.tick_params(axis="x", rotation=70, labelsize=6)
+  axes[0].legend(fontsize=7)
   return fig

@@ -16,6 +16,7 @@ sees the same batches), ``results.json`` (written last) and ``figures/``.
 
 from __future__ import annotations
 
+import functools
 import logging as std_logging
 import os
 import time
@@ -31,8 +32,11 @@ import orbax.checkpoint as ocp
 
 from elsa import training
 from experiments import common
+from experiments import plotting
 
 MODELS = {"elsa_trained": True, "lsa_trained": False}  # name -> use_bias
+# Models, training batches and test tasks alike (also under jax_enable_x64).
+DTYPE = jnp.float32
 
 
 def _spec(config, **shift) -> training.TaskSpec:
@@ -50,6 +54,19 @@ def _init(config, *, depth: int, use_bias: bool, dtype):
       skip_init=use_bias and config.skip_init, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _optimizer(*, learning_rate: float, steps: int, warmup_steps: int,
+               clip_norm: float | None):
+  """``training.optimizer``, one object per setting.
+
+  The optimizer is a static argument of the compiled train step: an equal
+  object lets a later run in the same process (a notebook, the tests) reuse
+  that compilation instead of repeating it.
+  """
+  return training.optimizer(learning_rate=learning_rate, steps=steps,
+                            warmup_steps=warmup_steps, clip_norm=clip_norm)
+
+
 def _checkpointed(state, losses):
   return {"state": jax.tree.leaves(state), "losses": losses}
 
@@ -57,15 +74,12 @@ def _checkpointed(state, losses):
 def train_one(config, *, depth: int, use_bias: bool, folder: str,
               progress: common.Progress):
   """Trains (or resumes, or loads) one stack; returns the split and losses ``[steps]``."""
-  dtype = jnp.float32
   split = training.split(_init(config, depth=depth, use_bias=use_bias,
-                               dtype=dtype))
-  tx = training.optimizer(learning_rate=config.learning_rate,
-                          steps=config.steps,
-                          warmup_steps=config.warmup_steps,
-                          clip_norm=config.clip_norm)
+                               dtype=DTYPE))
+  tx = _optimizer(learning_rate=config.learning_rate, steps=config.steps,
+                  warmup_steps=config.warmup_steps, clip_norm=config.clip_norm)
   state = training.init_state(split.params, tx)
-  losses = np.full(config.steps, np.nan, np.float32)
+  losses = np.full(config.steps, np.nan, DTYPE)
   manager = ocp.CheckpointManager(
       os.path.abspath(folder),
       options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints))
@@ -122,7 +136,7 @@ def _depth_evaluator(config, models: dict, eta: float, depth: int):
                                                     spec.form(), t)
     preds = {"gd_best_eta": gd(task),
              "elsa_constructed_gd": training.constructed_gd_predict(
-                 task, spec, eta=jnp.float32(eta), depth=depth),
+                 task, spec, eta=DTYPE(eta), depth=depth),
              "ridge": training.ridge_predict(task, lam=spec.lam),
              "least_squares": training.least_squares_predict(task),
              "zero": jnp.zeros_like(task.y_query)}
@@ -153,7 +167,7 @@ def _evaluate(evaluators: list, task) -> dict[str, Any]:
 
 def _best_etas(config, task) -> tuple[dict[int, float], dict[str, list]]:
   etas = jnp.linspace(config.eta_min, config.eta_max, config.eta_grid,
-                      dtype=jnp.float32)
+                      dtype=DTYPE)
   best, curves = {}, {}
   for depth in config.depths:
     losses = training.gd_eta_grid_losses(task, lam=config.lam, etas=etas,
@@ -164,53 +178,32 @@ def _best_etas(config, task) -> tuple[dict[int, float], dict[str, list]]:
 
 
 def _write_figures(results: dict, workdir: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   folder = os.path.join(workdir, "figures")
-  depths = results["depths"]
+  for name, draw in (("train_loss", plotting.train_loss),
+                     ("test_loss_vs_depth", plotting.test_loss_vs_depth),
+                     ("trained_vs_gd", plotting.trained_vs_gd),
+                     ("shifted_test_loss", plotting.shifted_test_loss)):
+    common.save_figure(draw(results), os.path.join(folder, f"{name}.png"))
 
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for name, curves in results["train_loss"].items():
-    for depth, curve in zip(depths, curves):
-      ax.plot(curve, label=f"{name} L={depth}",
-              ls="-" if name.startswith("elsa") else "--")
-  ax.set(xlabel="step (mean over chunks)", ylabel="train MSE", yscale="log",
-         title="Training loss")
-  ax.legend(fontsize=7)
-  common.save_figure(fig, os.path.join(folder, "train_loss.png"))
 
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for name, losses in results["test_loss"].items():
-    ax.errorbar(depths, losses, yerr=1.96 * np.asarray(
-        results["test_loss_se"][name]), marker="o", capsize=3, label=name)
-  ax.set(xlabel="depth L (layers = GD steps)", ylabel="test MSE",
-         yscale="log", title="Test loss vs depth (in distribution)")
-  ax.legend(fontsize=7)
-  common.save_figure(fig, os.path.join(folder, "test_loss_vs_depth.png"))
-
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for ax, key in zip(axes, ("pred_mse_to_gd", "sensitivity_mse_to_gd")):
-    ax.plot(depths, results["elsa_trained_vs_gd"][key], "o-",
-            label="in distribution")
-    for shift, res in results["shifted"].items():
-      ax.plot(depths, res["elsa_trained_vs_gd"][key], ".:", label=shift)
-    ax.set(xlabel="depth L", ylabel=key, yscale="log",
-           title=f"trained ELSA vs GD(best eta): {key}")
-  axes[1].legend(fontsize=6)
-  common.save_figure(fig, os.path.join(folder, "trained_vs_gd.png"))
-
-  names = list(results["shifted"])
-  fig, axes = plt.subplots(1, len(depths), figsize=(4 * len(depths), 4),
-                           squeeze=False)
-  for ax, i in zip(axes[0], range(len(depths))):
-    for model in ("elsa_trained", "lsa_trained", "gd_best_eta", "ridge"):
-      ax.plot(names, [results["shifted"][s]["test_loss"][model][i]
-                      for s in names], "o-", label=model)
-    ax.set(yscale="log", title=f"L={depths[i]}: test MSE under shift")
-    ax.tick_params(axis="x", rotation=70, labelsize=6)
-  axes[0][0].legend(fontsize=7)
-  common.save_figure(fig, os.path.join(folder, "shifted_test_loss.png"))
+def _evaluate_all(config, models: dict) -> dict[str, Any]:
+  """Best GD step sizes, then every model and baseline in distribution and shifted."""
+  test_key = jax.random.fold_in(jax.random.key(config.seed), 20_000)
+  task = training.sample_tasks(test_key, _spec(config), batch=config.n_test,
+                               dtype=DTYPE)
+  etas, eta_curves = _best_etas(config, task)
+  by_depth = {name: dict(zip(config.depths, runs)) for name, runs in
+              models.items()}
+  evaluators = [_depth_evaluator(config, by_depth, etas[depth], depth)
+                for depth in config.depths]
+  out = dict(gd_best_eta=[etas[depth] for depth in config.depths],
+             gd_eta_grid=eta_curves, **_evaluate(evaluators, task))
+  out["shifted"] = {}
+  for name, shift in config.shifts.items():
+    shifted = training.sample_tasks(test_key, _spec(config, **shift),
+                                    batch=config.n_test, dtype=DTYPE)
+    out["shifted"][name] = _evaluate(evaluators, shifted)
+  return out
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *,
@@ -241,29 +234,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
           if config.steps % config.log_every == 0 else losses.tolist())
   train_seconds = time.perf_counter() - start
 
-  test_key = jax.random.fold_in(jax.random.key(config.seed), 20_000)
-  task = training.sample_tasks(test_key, _spec(config), batch=config.n_test)
-  etas, eta_curves = _best_etas(config, task)
-  by_depth = {name: dict(zip(config.depths, runs)) for name, runs in
-              models.items()}
-  evaluators = [_depth_evaluator(config, by_depth, etas[depth], depth)
-                for depth in config.depths]
-  results = dict(depths=list(config.depths),
-                 gd_best_eta=[etas[depth] for depth in config.depths],
-                 gd_eta_grid=eta_curves, train_loss=train_loss,
-                 train_seconds=train_seconds,
-                 **_evaluate(evaluators, task))
+  results = dict(depths=list(config.depths), train_loss=train_loss,
+                 train_seconds=train_seconds)
+  # Exact float32 products on GPU/TPU too (their default is bfloat16 passes):
+  # the GD references and the constructed stack must agree to rounding.
+  with jax.default_matmul_precision("highest"):
+    results.update(_evaluate_all(config, models))
   results["diverged"] = {
       name: [not np.isfinite(loss).all() for loss in train_loss[name]]
       for name in MODELS}
   results["ratio_elsa_to_gd"] = [
       a / b for a, b in zip(results["test_loss"]["elsa_trained"],
                             results["test_loss"]["gd_best_eta"])]
-  results["shifted"] = {}
-  for name, shift in config.shifts.items():
-    spec = _spec(config, **shift)
-    shifted = training.sample_tasks(test_key, spec, batch=config.n_test)
-    results["shifted"][name] = _evaluate(evaluators, shifted)
   results["seconds"] = time.perf_counter() - start
   _write_figures(results, workdir)
   common.write_json(os.path.join(workdir, "results.json"), results)

@@ -8,8 +8,10 @@ sane (positive times, finite ratios, FLOP counts that match the formula).
 import math
 import os
 
+import numpy as np
 import pytest
 
+from elsa import ridge
 from experiments import benchmark
 from experiments import common
 from experiments.configs import benchmark as benchmark_config
@@ -86,15 +88,52 @@ def test_stack_rows(quick_run):
 def test_sweep_rows(quick_run):
   config, _, results = quick_run
   sweep = results["sweep"]
-  if sweep is None:
-    pytest.skip("elsa.forms is not importable yet")
+  assert sweep["form"] == config.sweep_form
+  assert sweep["lams"] == list(config.sweep_lams)
+  assert sweep["eta_fractions"] == list(config.sweep_eta_fractions)
+  assert sweep["devices"] >= 1
   assert [r["batch"] for r in sweep["rows"]] == list(config.sweep_batches)
+  grid = len(config.sweep_lams) * len(config.sweep_eta_fractions)
   for r in sweep["rows"]:
-    for kernel in ("attention", "gd"):
-      assert _positive(r[kernel]["task_layers_per_s"])
-    assert _positive(r["gd_over_attention_time"])
-    # Both kernels compute the same iterate: the benchmark times real work.
-    assert r["max_abs_w_difference"] <= 1e-4 * max(1.0, r["max_abs_w"])
+    assert r["grid"] == grid and r["items"] == grid * r["batch"]
+    assert r["padded_items"] >= r["items"]
+    assert r["padded_items"] % sweep["devices"] == 0
+    assert r["depth"] == config.sweep_depth
+    # The Designed form's token layout for these task shapes.
+    assert r["m"] > config.sweep_n_train and r["n"] > config.sweep_d
+    for kernel in ("sweep_kernel", "gd"):
+      timing = r[kernel]
+      assert _positive(timing["compile_s"]) and _positive(timing["median_s"])
+      assert timing["min_s"] <= timing["median_s"] and timing["reps"] >= 1
+      assert timing["item_layers_per_s"] == pytest.approx(
+          r["items"] * r["depth"] / timing["median_s"])
+    assert r["sweep_kernel_over_gd_time"] == pytest.approx(
+        r["sweep_kernel"]["median_s"] / r["gd"]["median_s"])
+    # The timed kernel is the sweep's: its own ELSA-vs-GD error is float32
+    # rounding (stable step sizes, depth 4), not a wrong computation.
+    assert 0 <= r["max_rel_err"] < 1e-4
+
+
+def test_sweep_items_match_the_sweep_layout():
+  config = benchmark_config.get_config("quick")
+  config.sweep_lams = (0.0, 0.5)
+  config.sweep_eta_fractions = (0.25, 0.5, 0.9)
+  items = benchmark.sweep_items(config, batch=3, dtype=np.float64)
+  g = 2 * 3 * 3
+  n, d, q = config.sweep_n_train, config.sweep_d, config.sweep_n_query
+  assert items["x"].shape == (g, n, d) and items["y"].shape == (g, n)
+  assert items["x_query"].shape == (g, q, d)
+  assert items["lam"].shape == items["eta"].shape == (g,)
+  # Ordered (lam, eta, task), as experiments.sweep._grid_items.
+  lam = items["lam"].reshape(2, 3, 3)
+  np.testing.assert_array_equal(lam, np.broadcast_to([[[0.0]], [[0.5]]], lam.shape))
+  x = items["x"].reshape(2, 3, 3, n, d)
+  np.testing.assert_array_equal(x, np.broadcast_to(x[0, 0], x.shape))
+  # eta is the stated fraction of each task's stability limit.
+  limit = np.asarray(ridge.stability_limit(x[:, 0], lam=lam[:, 0, :]))
+  np.testing.assert_allclose(items["eta"].reshape(2, 3, 3),
+                             np.array([0.25, 0.5, 0.9])[None, :, None]
+                             * limit[:, None, :], rtol=1e-12)
 
 
 def test_rerun_reuses_results_and_other_config_is_refused(quick_run):
@@ -109,4 +148,4 @@ def test_rerun_reuses_results_and_other_config_is_refused(quick_run):
 def test_format_tables(quick_run):
   _, _, results = quick_run
   text = benchmark.format_tables(results)
-  assert "GFLOP/s" in text and "compile" in text
+  assert "GFLOP/s" in text and "compile" in text and "sweep kernel" in text

@@ -1,6 +1,7 @@
-r"""Speed of the ELSA primitive, of deep stacks and of the sweep kernel.
+r"""python -m experiments.benchmark --workdir=runs/benchmark
 
-  python -m experiments.benchmark --config=experiments/configs/benchmark.py --workdir=runs/benchmark
+Speed of the ELSA primitive, of deep stacks and of the sweep's own kernel
+(``experiments.sweep.build_measure``) against direct GD.
 
 ``--config=experiments/configs/benchmark.py:quick`` shrinks every part to
 seconds (what tests/test_benchmark_driver.py runs). Override any field, e.g.
@@ -47,22 +48,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Compile time is the median of this many compilations.
   config.compile_reps = 3
 
-  # Part 3, the sweep kernel: (lambda, eta) grid x tasks x layers of the
-  # Designed form's GD stack, against elsa.ridge.gd on the same grid.
+  # Part 3, the sweep kernel (experiments.sweep.build_measure) on the sweep's
+  # flat (lambda, eta, task) batch, against elsa.ridge.gd on the same items.
+  # Task shape and depth are the default sweep's (configs/sweep.py).
   config.sweep_form = "designed"
   config.sweep_n_train = 20
   config.sweep_d = 5
   config.sweep_n_query = 4
   config.sweep_depth = 50
-  config.sweep_grid = 4  # grid points (lambda, eta) per call
-  config.sweep_batches = (1, 16, 256)  # tasks per grid point, by vmap
-  # How long to wait for elsa.forms to become importable (it is being
-  # written concurrently); 0 to skip part 3 when it is missing.
-  config.forms_wait_s = 0.0
+  config.sweep_lams = (0.0, 0.1)
+  # Step sizes as fractions of each task's stability limit (all < 1: stable).
+  config.sweep_eta_fractions = (0.5, 0.9)
+  config.sweep_batches = (1, 16, 256)  # tasks per grid point
 
   if config.quick:
-    config.warmup = 1
-    config.reps = 2
+    config.warmup = 0
+    config.reps = 1
     config.min_reps = 1
     config.max_case_s = 2.0
     config.tokens = (64, 256)
@@ -73,12 +74,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.stack_depths = (2, 8)
     config.stack_tokens = 16
     config.stack_width = 8
-    config.unrolled_depths = (2,)
+    config.unrolled_depths = (1,)
     config.compile_reps = 1
     config.sweep_n_train = 6
     config.sweep_d = 3
     config.sweep_n_query = 2
     config.sweep_depth = 4
-    config.sweep_grid = 2
+    config.sweep_lams = (0.1,)
     config.sweep_batches = (1, 4)
   return config
