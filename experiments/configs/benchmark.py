@@ -5,8 +5,8 @@ Speed of the ELSA primitive, of deep stacks and of the sweep's own kernel
 
 ``--config=experiments/configs/benchmark.py:quick`` shrinks every part to
 seconds (what tests/test_benchmark_driver.py runs). Override any field, e.g.
-``--config.tokens='(1024, 4096)' --config.reps=11``. The default takes about
-three minutes on 2 CPU cores; the same command runs unchanged on a GPU or TPU.
+``--config.tokens='(1024, 4096)' --config.reps=11``. The default takes about a
+minute on 2 quiet CPU cores (2 under load); the same command runs unchanged on a GPU or TPU.
 """
 
 import ml_collections
