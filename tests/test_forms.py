@@ -21,7 +21,8 @@ FORMS = [forms.Designed, forms.Natural]
 F64_RTOL = 1e-10
 # float32 bound at depth 200, eta = 0.9 * stability limit: the worst relative
 # error measured over these SHAPES, lam in {0, 0.3}, 3 seeds, both forms, was
-# 1.4e-5 (notes/forms.md); asserted with a margin.
+# 7.0e-6, as accurate as float32 GD itself (BUILD_NOTES.md, "Input forms");
+# asserted with a margin.
 F32_RTOL = 1e-4
 
 # (batch, N, d, Q, k): N > d, N < d, Q = 0 with n_out = 2, two batch axes, 1x1.
