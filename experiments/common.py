@@ -19,6 +19,7 @@ from absl import app
 from absl import flags
 from absl import logging
 import ml_collections
+import numpy as np
 
 
 def _atomic_write(path: str, write) -> None:
@@ -43,9 +44,10 @@ def _atomic_write(path: str, write) -> None:
 
 
 def finite_or_none(obj: Any) -> Any:
-  """``obj`` with every non-finite float replaced by ``None`` (JSON has no NaN)."""
-  if isinstance(obj, float):
-    return obj if math.isfinite(obj) else None
+  """``obj`` with floats (numpy scalars too) as Python floats, non-finite ones
+  as ``None`` (JSON has no NaN)."""
+  if isinstance(obj, (float, np.floating)):
+    return float(obj) if math.isfinite(obj) else None
   if isinstance(obj, dict):
     return {k: finite_or_none(v) for k, v in obj.items()}
   if isinstance(obj, (list, tuple)):

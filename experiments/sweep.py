@@ -297,10 +297,6 @@ def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
               traces=len(traces))
 
 
-def _finite_or_none(value) -> float | None:
-  return common.finite_or_none(float(value))
-
-
 def _records(name: str, config: ml_collections.ConfigDict,
              outputs: dict[str, np.ndarray], unstable: np.ndarray) -> list[dict]:
   """One record per (lam, eta, depth 1..L): task max/median of each metric."""
@@ -318,10 +314,10 @@ def _records(name: str, config: ml_collections.ConfigDict,
         records.append(dict(
             form=name, lam=float(lam), eta=float(eta), depth=depth,
             diverged=diverged, n_unstable_tasks=int(unstable[i, j].sum()),
-            max_rel_err=_finite_or_none(np.max(at["rel_err"])),
-            median_rel_err=_finite_or_none(np.median(at["rel_err"])),
-            elsa_to_ridge=_finite_or_none(np.median(at["elsa_to_ridge"])),
-            gd_to_ridge=_finite_or_none(np.median(at["gd_to_ridge"]))))
+            max_rel_err=common.finite_or_none(np.max(at["rel_err"])),
+            median_rel_err=common.finite_or_none(np.median(at["rel_err"])),
+            elsa_to_ridge=common.finite_or_none(np.median(at["elsa_to_ridge"])),
+            gd_to_ridge=common.finite_or_none(np.median(at["gd_to_ridge"]))))
   return records
 
 

@@ -5,6 +5,7 @@ import os
 import stat
 
 import ml_collections
+import numpy as np
 import pytest
 
 from experiments import common
@@ -46,10 +47,11 @@ def test_outputs_without_a_config_are_refused(tmp_path):
 
 def test_json_is_strict_and_files_are_not_private(tmp_path):
   path = str(tmp_path / "r.json")
-  common.write_json(path, {"a": float("nan"), "b": [1.0, float("inf")]})
+  common.write_json(path, {"a": float("nan"), "b": [1.0, float("inf")],
+                           "c": np.float32("nan"), "d": np.float32(0.5)})
   with open(path, encoding="utf-8") as f:
     assert json.loads(f.read(), parse_constant=pytest.fail) == {
-        "a": None, "b": [1.0, None]}
+        "a": None, "b": [1.0, None], "c": None, "d": 0.5}
   umask = os.umask(0)
   os.umask(umask)
   assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask
