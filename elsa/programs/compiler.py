@@ -1,0 +1,218 @@
+"""``compile``: a matrix program as an exact ELSA stack, with its token layout.
+
+Stages: :func:`elsa.programs.language.classify` (each term one component, or
+refused), :func:`elsa.programs.layout.solve` (token groups, rows, columns,
+relocation of pinned inputs), :func:`elsa.programs.codegen.components` (the
+parameters of every layer). Each stage's output can be printed:
+``print(compiled)`` shows the layout, ``compiled.components`` the component
+kinds of every layer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from elsa import constructions
+from elsa.attention import Array, ElsaParams, float_dtype
+from elsa.programs import codegen, layout as layout_lib
+from elsa.programs.language import Program
+
+
+def _runtime_scalars(prog: Program, stages, scalars: dict, loops: int, dtype,
+                     fn: str) -> dict:
+  """Checked scalar values: ``0-d`` arrays, or ``[loops]`` schedules."""
+  missing = sorted(set(prog.scalars) - set(scalars))
+  unknown = sorted(set(scalars) - set(prog.scalars))
+  if missing or unknown:
+    raise ValueError(f"{fn}: scalars {missing} are missing and {unknown} are "
+                     f"not declared; the program's scalars are "
+                     f"{sorted(prog.scalars)}.")
+  once = {name for s in stages if not s.repeat for _, e in s.assignments
+          for t in e.terms for name in t.coef.names}
+  out = {}
+  for name, value in scalars.items():
+    value = jnp.asarray(value, dtype)
+    if value.ndim == 1 and name in once:
+      raise ValueError(f"{fn}: {name} is a schedule of shape {value.shape} but "
+                       "a layer applied once (or an init) uses it; pass a "
+                       "scalar, or a second scalar for the loop.")
+    if value.shape not in ((), (loops,)):
+      raise ValueError(f"{fn}: {name} must be a scalar or a schedule of shape "
+                       f"({loops},) for loops={loops}, got shape {value.shape}; "
+                       "vmap over it for a batch of values.")
+    out[name] = value
+  return out
+
+
+def _dtype(dtype, arrays, fn: str):
+  """``dtype``, else the common dtype of the arrays given, else the default float."""
+  if dtype is None:
+    typed = {jnp.result_type(a) for a in arrays if hasattr(a, "dtype")}
+    if len(typed) > 1:
+      raise TypeError(f"{fn}: the arrays given have dtypes "
+                      f"{sorted(map(str, typed))}; cast them to one.")
+    dtype = typed.pop() if typed else None
+  dtype = float_dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{fn}: the dtype must be floating, got {dtype}.")
+  return dtype
+
+
+class Compiled:
+  """A compiled program: its layout, and the encoder, parameters and reader of its stack.
+
+  Attributes:
+    m, n: token count and feature count of a state.
+    layout: ``{name: (rows, cols)}``, where each block lives (lists of ints).
+    setup_layers: layers before the first loop iteration (relocation, inits,
+      ``prog.layer`` stages added before the first loop).
+    relocation_layers: 1 if pinned inputs are moved in a layer of their own.
+    components: the component kinds of each distinct layer, ``[[str]]``.
+  """
+
+  def __init__(self, prog: Program):
+    self.program = prog
+    self._layout, self._steps, self._stages = layout_lib.solve(prog)
+    self.m, self.n = self._layout.m, self._layout.n
+    self._parts = [codegen.components(s, self._layout) for s in self._steps]
+    self.components = [[c.kind for c in parts] for parts in self._parts]
+    first_loop = next((i for i, s in enumerate(self._stages) if s.repeat),
+                      len(self._stages))
+    self.setup_layers = first_loop
+    self.relocation_layers = self._layout.relocation_layers
+
+  @property
+  def layout(self) -> dict:
+    return self._layout.as_data()
+
+  @property
+  def width(self) -> int:
+    """Components per layer ``C`` of the stack (the widest layer)."""
+    return max(len(parts) for parts in self._parts)
+
+  def __str__(self) -> str:
+    return layout_lib.table(self._layout, self.program)
+
+  def __repr__(self) -> str:
+    return (f"Compiled(m={self.m}, n={self.n}, C={self.width}, "
+            f"setup_layers={self.setup_layers})")
+
+  def layers(self, loops: int) -> int:
+    """Layers of the stack for ``loops`` iterations of every loop."""
+    return sum(loops if s.repeat else 1 for s in self._stages)
+
+  # --- encoding and reading ---------------------------------------------------
+
+  def encode(self, *, dtype=None, **blocks) -> Array:
+    """The initial tokens ``[..., m, n]`` from the inputs (and optional states).
+
+    Every input is required; a state given here starts at that value instead
+    of zero (a state with an ``init`` is computed by the set-up layer and may
+    not be given). Leading axes of the blocks broadcast.
+
+    Raises:
+      ValueError: a block is missing, unknown, not allowed or mis-shaped.
+      TypeError: the blocks' dtypes differ or are not floating.
+    """
+    fn = "Compiled.encode"
+    prog = self.program
+    unknown = sorted(set(blocks) - set(prog.blocks))
+    missing = sorted(b.name for b in prog.inputs if b.name not in blocks)
+    if unknown or missing:
+      raise ValueError(f"{fn}: inputs {missing} are missing and {unknown} are "
+                       f"not blocks of the program; inputs: "
+                       f"{[b.name for b in prog.inputs]}, states: "
+                       f"{[b.name for b in prog.states]}.")
+    for name in blocks:
+      if prog.blocks[name].init is not None:
+        raise ValueError(f"{fn}: {name} has an init expression, so the set-up "
+                         "layer computes it; do not pass it.")
+    dtype = _dtype(dtype, blocks.values(), fn)
+    arrays = {}
+    for name, value in blocks.items():
+      value = jnp.asarray(value, dtype)
+      shape = prog.blocks[name].shape
+      if value.ndim < 2 or value.shape[-2:] != shape:
+        raise ValueError(f"{fn}: {name} must have shape [..., {shape[0]}, "
+                         f"{shape[1]}], got {value.shape}.")
+      arrays[name] = value
+    try:
+      batch = jnp.broadcast_shapes(*(a.shape[:-2] for a in arrays.values()))
+    except ValueError:
+      raise ValueError(f"{fn}: the leading axes do not broadcast: "
+                       f"{ {k: v.shape for k, v in arrays.items()} }.") from None
+    h = jnp.zeros((*batch, self.m, self.n), dtype)
+    for name, value in arrays.items():
+      p = self._layout.start[name]
+      h = h.at[..., np.array(p.rows)[:, None], np.array(p.cols)].set(
+          jnp.broadcast_to(value, (*batch, *value.shape[-2:])))
+    return h
+
+  def read(self, h: Array, name: str) -> Array:
+    """The block ``name`` at its home: ``[..., m, n] -> [..., rows, cols]``.
+
+    Works on any leading axes, e.g. all states of ``elsa_stack(...,
+    return_all=True)``. A moved pinned input is at home from the end of the
+    first layer on.
+    """
+    if name not in self._layout.home:
+      raise ValueError(f"Compiled.read: no block {name!r}; blocks: "
+                       f"{sorted(self._layout.home)}.")
+    h = jnp.asarray(h)
+    if h.ndim < 2 or h.shape[-2:] != (self.m, self.n):
+      raise ValueError(f"Compiled.read: h must have shape [..., {self.m}, "
+                       f"{self.n}], got {h.shape}.")
+    p = self._layout.home[name]
+    return h[..., np.array(p.rows)[:, None], np.array(p.cols)]
+
+  # --- parameters ------------------------------------------------------------
+
+  def params(self, *, loops: int, dtype=None, **scalars) -> ElsaParams:
+    """The stack: ``ElsaParams`` with leaves ``[layers(loops), C, ...]``.
+
+    Args:
+      loops: iterations of every ``prog.loop`` (a static int >= 0).
+      dtype: of every leaf; default the scalars' dtype if arrays, else JAX's
+        default float. It must be the dtype of the encoded tokens.
+      **scalars: every runtime scalar of the program: a scalar (may be
+        traced) or, for scalars used only in loops, a ``[loops]`` schedule.
+
+    Raises:
+      ValueError: a scalar is missing, unknown or mis-shaped, or ``loops`` is
+        not an int >= 0.
+    """
+    fn = "Compiled.params"
+    if isinstance(loops, bool) or not isinstance(loops, (int, np.integer)) or (
+        loops < 0):
+      raise ValueError(f"{fn}: loops must be an int >= 0, got {loops!r}.")
+    if self.layers(loops) == 0:
+      raise ValueError(f"{fn}: with loops=0 the program has no layer.")
+    dtype = _dtype(dtype, scalars.values(), fn)
+    values = _runtime_scalars(self.program, self._stages, scalars, loops, dtype,
+                              fn)
+    m, n = self.m, self.n
+    parts = []
+    for stage, components in zip(self._stages, self._parts):
+      build = lambda v, c=components: codegen.layer_params(c, v, m=m, n=n,
+                                                           dtype=dtype)
+      if not stage.repeat:
+        parts.append(build({k: v for k, v in values.items() if v.ndim == 0}))
+      elif loops:
+        per_loop = {k: jnp.broadcast_to(v, (loops,)) for k, v in values.items()}
+        parts.append(jax.vmap(build)(per_loop))
+    return constructions.stack(*parts)
+
+
+def compile(prog: Program) -> Compiled:  # pylint: disable=redefined-builtin
+  """Lays out ``prog`` and returns its :class:`Compiled` stack.
+
+  Raises:
+    ValueError: a term is not one ELSA component, or the blocks cannot be
+      laid out so that every term is exact (the message names them).
+  """
+  if not isinstance(prog, Program):
+    raise TypeError(f"programs.compile: expected a Program, got "
+                    f"{type(prog).__name__}.")
+  return Compiled(prog)

@@ -1,0 +1,110 @@
+"""``run``: the reference semantics of a matrix program, on plain arrays.
+
+Independent of attention and of the token layout: every layer evaluates each
+assignment's terms with ``jnp.matmul`` at the highest precision, all from the
+old values (assignments are simultaneous); loops run under ``lax.scan``. The
+compiled stack is trusted through one comparison: ``compiled.read(hs, name)``
+equals ``run(...)[name]`` at every layer.
+
+The only thing ``run`` takes from the compiler is how many layers the stack
+spends before the program's first one (a relocation layer that moves pinned
+inputs apart changes no value), so that both count layers alike.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from elsa.attention import Array
+from elsa.programs import layout as layout_lib
+from elsa.programs.compiler import _dtype, _runtime_scalars
+from elsa.programs.language import Program, Stage
+
+_EXACT = jax.lax.Precision.HIGHEST
+
+
+def _term_value(term, values: dict, scalars: dict, dtype) -> Array:
+  out = None
+  for f in term.factors:
+    if f.block is None:
+      x = jnp.asarray(f.const, dtype)
+    else:
+      x = values[f.block.name]
+      x = jnp.swapaxes(x, -1, -2) if f.transposed else x
+    out = x if out is None else jnp.matmul(out, x, precision=_EXACT)
+  return jnp.asarray(term.coef.value(scalars), dtype) * out
+
+
+def _apply(stage: Stage, values: dict, scalars: dict, dtype) -> dict:
+  """One layer: the new value of every assigned state, from the old values."""
+  new = dict(values)
+  for block, expr in stage.assignments:
+    total = jnp.zeros_like(values[block.name])
+    for term in expr.terms:
+      total = total + _term_value(term, values, scalars, dtype)
+    new[block.name] = total
+  return new
+
+
+def run(prog: Program, *, loops: int, dtype=None, **kwargs) -> dict[str, Array]:
+  """Runs ``prog`` on arrays: ``{name: [layers + 1, ..., rows, cols]}`` for every block.
+
+  Args:
+    prog: the program.
+    loops: iterations of every ``prog.loop`` (int >= 0).
+    dtype: of the computation; default the common dtype of the arrays given.
+    **kwargs: every input by name (``[..., rows, cols]``, leading axes
+      broadcast), optionally states' start values (states without ``init``),
+      and every runtime scalar (a scalar, or a ``[loops]`` schedule).
+
+  Returns:
+    each block's value before the first layer and after every layer (the
+    same count as ``elsa_stack(compiled.params(loops=...), ...,
+    return_all=True)``), leading batch axes after the layer axis.
+  """
+  fn = "programs.run"
+  if isinstance(loops, bool) or not isinstance(loops, (int, np.integer)) or (
+      loops < 0):
+    raise ValueError(f"{fn}: loops must be an int >= 0, got {loops!r}.")
+  _, _, stages = layout_lib.solve(prog)
+  scalars = {k: v for k, v in kwargs.items() if k in prog.scalars}
+  blocks = {k: v for k, v in kwargs.items() if k not in prog.scalars}
+  unknown = sorted(set(blocks) - set(prog.blocks))
+  missing = sorted(b.name for b in prog.inputs if b.name not in blocks)
+  if unknown or missing:
+    raise ValueError(f"{fn}: inputs {missing} are missing and {unknown} are "
+                     "neither blocks nor scalars of the program.")
+  dtype = _dtype(dtype, list(blocks.values()) + list(scalars.values()), fn)
+  scalars = _runtime_scalars(prog, stages, scalars, loops, dtype, fn)
+  arrays = {k: jnp.asarray(v, dtype) for k, v in blocks.items()}
+  for name, a in arrays.items():
+    if a.ndim < 2 or a.shape[-2:] != prog.blocks[name].shape:
+      raise ValueError(f"{fn}: {name} must have shape [..., "
+                       f"{prog.blocks[name].shape}], got {a.shape}.")
+    if prog.blocks[name].init is not None:
+      raise ValueError(f"{fn}: {name} has an init expression; do not pass it.")
+  batch = jnp.broadcast_shapes(*(a.shape[:-2] for a in arrays.values()))
+  values = {b.name: (jnp.broadcast_to(arrays[b.name], (*batch, *b.shape))
+                     if b.name in arrays else jnp.zeros((*batch, *b.shape),
+                                                        dtype))
+            for b in prog.blocks.values()}
+
+  history = [values]
+  once = {k: v for k, v in scalars.items() if v.ndim == 0}
+  for stage in stages:
+    if not stage.repeat:
+      history.append(_apply(stage, history[-1], once, dtype))
+      continue
+    if not loops:
+      continue
+    per_loop = {k: jnp.broadcast_to(v, (loops,)) for k, v in scalars.items()}
+
+    def body(state, scalar_t, stage=stage):
+      new = _apply(stage, state, scalar_t, dtype)
+      return new, new
+
+    _, states = jax.lax.scan(body, history[-1], per_loop)
+    history.extend({k: v[t] for k, v in states.items()} for t in range(loops))
+  return {name: jnp.stack([h[name] for h in history]) for name in prog.blocks}
