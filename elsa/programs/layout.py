@@ -148,17 +148,23 @@ def _token_groups(prog: Program, stages) -> _Groups:
     for a, b, why in _join_rule(target, c):
       groups.join(a, b, f"the term `{c.text}` ({stage.label}, {target.name} "
                   f"= ...: {why})")
-  # Then, where free to: a copy `c * A` onto A's tokens folds into the
-  # layer's column mix (codegen) instead of taking a component of its own.
-  pinned = lambda root: any(b.at for b in prog.blocks.values()
-                            if groups.find(b.name) == root)
-  for stage, target, c in terms:
-    if c.kind == "copy" and c.P is None:
-      source = c.blocks[0][0]
-      ra, rb = groups.find(target.name), groups.find(source.name)
-      if (ra != rb and groups.rows[ra] == groups.rows[rb]
-          and not (pinned(ra) and pinned(rb))):
-        groups.join(target, source, f"the copy `{c.text}` ({stage.label})")
+  # Then share tokens wherever the row counts allow: every block owns its
+  # columns, so blocks of different groups on the same rows never meet in a
+  # term, and fewer rows make a smaller stack. Copies go first, so that a
+  # copy onto its source's tokens joins the layer's column mix (codegen).
+  def pinned(root):
+    return any(b.at for b in prog.blocks.values()
+               if groups.find(b.name) == root)
+
+  copies = [(target, c.blocks[0][0], f"the copy `{c.text}` ({stage.label})")
+            for stage, target, c in terms if c.kind == "copy" and c.P is None]
+  blocks = list(prog.blocks.values())
+  rest = [(a, b, "equal row counts") for a in blocks for b in blocks]
+  for a, b, why in copies + rest:
+    ra, rb = groups.find(a.name), groups.find(b.name)
+    if (ra != rb and groups.rows[ra] == groups.rows[rb]
+        and not (pinned(ra) and pinned(rb))):
+      groups.join(a, b, why)
   return groups
 
 

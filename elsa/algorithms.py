@@ -1,0 +1,296 @@
+r"""In-context ridge-regression algorithms as matrix programs, from the natural tokens.
+
+Every function returns an :class:`elsa.programs.Program` that starts from the
+naturally enumerated tokens: one token ``(x_i, y_i)`` per example and one
+``(x_q, 0)`` per query, ``x`` in the same columns (inputs ``X``, ``y``,
+``Xq`` pinned there). Each solves
+
+.. math::
+  A w = b, \qquad A = X^\top X / N + \lambda I, \qquad b = X^\top y / N,
+
+the ridge problem of :mod:`elsa.ridge`, and ends with one read-out layer
+``p = Xq @ w`` (the query predictions). Compile with
+:func:`elsa.programs.compile`; the state ``w`` after every layer is the
+iterate (``compiled.read(hs, "w")``).
+
+Step sizes and eigenvalue bounds that depend on the data (``1 / mu_max``,
+Chebyshev coefficients, ``alpha = 2 / (mu_min + mu_max)``) are computed
+outside the stack (:func:`eigen_bounds` and the schedule helpers below) and
+passed as runtime scalars: an ELSA stack computes polynomials of its tokens
+only, so a scalar that is a ratio of data cannot be formed inside it. For the
+same reason conjugate gradient (its step ``r^T r / p^T A p`` is a ratio of
+data) and normalised power iteration (``v / ||v||``) cannot be compiled; the
+language refuses a block divided by a block.
+
+Convergence with ``kappa = mu_max / mu_min`` of ``A`` (iterations to a
+relative error ``eps``): GD ``O(kappa log 1/eps)``; heavy-ball, Nesterov and
+Chebyshev ``O(sqrt(kappa) log 1/eps)``; Newton–Schulz ``O(log kappa + log log
+1/eps)`` (each layer squares the residual); the third-order hyperpower
+iteration cubes it. BUILD_NOTES.md, "The algorithm library", has the measured
+layer counts (``python -m experiments.algorithms``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from elsa import programs
+from elsa.attention import Array
+
+
+def _natural_tokens(prog: programs.Program, *, n_train: int, d: int,
+                    n_query: int, n_out: int):
+  """Pins ``X``, ``y`` and ``Xq`` to the natural tokens; returns them (``Xq``
+  is ``None`` without queries)."""
+  N, Q, k = n_train, n_query, n_out
+  X = prog.input("X", (N, d), at=(range(N), range(d)))
+  y = prog.input("y", (N, k), at=(range(N), range(d, d + k)))
+  Xq = prog.input("Xq", (Q, d), at=(range(N, N + Q), range(d))) if Q else None
+  return X, y, Xq
+
+
+def _read_out(prog: programs.Program, Xq, w) -> None:
+  """The last layer: query predictions ``p = Xq @ w`` (none without queries)."""
+  if Xq is not None:
+    p = prog.state("p", (Xq.shape[0], w.shape[1]))
+    prog.layer({p: Xq @ w})
+
+
+def ridge_gd(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
+             ) -> programs.Program:
+  r"""Gradient descent with the residual ``r = y - X w`` kept as a state.
+
+  .. math::
+    w' = (1 - \eta\lambda) w + \tfrac{\eta}{N} X^\top r, \qquad
+    r' = (1 - \eta\lambda) r + \eta\lambda y - \tfrac{\eta}{N} X X^\top r .
+
+  ``r`` makes the gradient a product of at most three blocks (``X^T X w``
+  would read ``X`` transposed first). Converges for ``0 < eta < 2 / mu_max``;
+  with ``eta = 2 / (mu_min + mu_max)`` the error shrinks by ``(kappa - 1) /
+  (kappa + 1)`` per layer. Scalars: ``lam``, ``eta`` (a ``[loops]``
+  schedule allowed). Layer ``1 + t`` holds GD step ``t`` from ``w0 = 0``.
+  """
+  prog = programs.Program()
+  X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
+                             n_out=n_out)
+  N = n_train
+  w = prog.state("w", (d, n_out))
+  r = prog.state("r", (N, n_out), init=y)
+  lam, eta = prog.scalar("lam"), prog.scalar("eta")
+  prog.loop({
+      w: (1 - eta * lam) * w + (eta / N) * (X.T @ r),
+      r: (1 - eta * lam) * r + (eta * lam) * y - (eta / N) * (X @ X.T @ r),
+  })
+  _read_out(prog, Xq, w)
+  return prog
+
+
+def preconditioned_gd(*, n_train: int, d: int, preconditioner, n_query: int = 1,
+                      n_out: int = 1) -> programs.Program:
+  r"""GD with a constant preconditioner ``P`` ``[d, d]``: :math:`w' = w - \eta P (A w - b)`.
+
+  .. math::
+    w' = w - \eta\lambda P w + \tfrac{\eta}{N} P X^\top r, \qquad
+    r' = r + \eta\lambda (XP) w - \tfrac{\eta}{N} (XP) X^\top r,
+
+  with ``XP = X @ P`` computed once by the set-up layer (a constant between
+  two blocks is not one component). Converges when the spectrum of ``P A``
+  lies in ``(0, 2 / eta)``; the rate is GD's with ``kappa(P A)``.
+  """
+  prog = programs.Program()
+  X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
+                             n_out=n_out)
+  N = n_train
+  P = programs.constant(preconditioner)
+  w = prog.state("w", (d, n_out))
+  r = prog.state("r", (N, n_out), init=y)
+  XP = prog.state("XP", (N, d), init=X @ P)
+  lam, eta = prog.scalar("lam"), prog.scalar("eta")
+  prog.loop({
+      w: w - (eta * lam) * (P @ w) + (eta / N) * (P @ X.T @ r),
+      r: r + (eta * lam) * (XP @ w) - (eta / N) * (XP @ X.T @ r),
+  })
+  _read_out(prog, Xq, w)
+  return prog
+
+
+def heavy_ball(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
+               ) -> programs.Program:
+  r"""Polyak's heavy ball, with the step ``v = w_t - w_{t-1}`` as a state.
+
+  .. math::
+    v' = \beta v + \eta (b - A w), \qquad w' = w + v', \qquad r' = y - X w',
+
+  ``b - A w = X^T r / N - lam w``. With :func:`heavy_ball_parameters` the
+  error shrinks like :math:`((\sqrt\kappa - 1) / (\sqrt\kappa + 1))^t`.
+  With ``eta`` and ``beta`` as per-loop schedules from
+  :func:`chebyshev_schedule` this is the Chebyshev semi-iteration.
+  Scalars: ``lam``, ``eta``, ``beta``.
+  """
+  prog = programs.Program()
+  X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
+                             n_out=n_out)
+  N = n_train
+  w, v = prog.state("w", (d, n_out)), prog.state("v", (d, n_out))
+  r = prog.state("r", (N, n_out), init=y)
+  lam, eta, beta = (prog.scalar(s) for s in ("lam", "eta", "beta"))
+  step = beta * v - (eta * lam) * w + (eta / N) * (X.T @ r)
+  prog.loop({
+      v: step,
+      w: w + step,
+      r: r - beta * (X @ v) + (eta * lam) * (X @ w)
+         - (eta / N) * (X @ X.T @ r),
+  })
+  _read_out(prog, Xq, w)
+  return prog
+
+
+chebyshev = heavy_ball  # the same program, run with chebyshev_schedule
+
+
+def nesterov(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
+             ) -> programs.Program:
+  r"""Nesterov's accelerated gradient: the gradient taken at the look-ahead ``w + beta v``.
+
+  .. math::
+    v' = \beta v + \eta\,(b - A (w + \beta v)), \qquad w' = w + v' .
+
+  Kept as states: ``r = y - X w`` and ``u = X v`` (so that ``X^T X v`` is
+  ``X^T u``, two blocks). With :func:`nesterov_parameters` the error shrinks
+  like :math:`(1 - 1/\sqrt\kappa)^t`. Scalars: ``lam``, ``eta``, ``beta``.
+  """
+  prog = programs.Program()
+  X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
+                             n_out=n_out)
+  N = n_train
+  w, v = prog.state("w", (d, n_out)), prog.state("v", (d, n_out))
+  r = prog.state("r", (N, n_out), init=y)
+  u = prog.state("u", (N, n_out))
+  lam, eta, beta = (prog.scalar(s) for s in ("lam", "eta", "beta"))
+  # b - A (w + beta v) = X^T (r - beta u) / N - lam (w + beta v)
+  step = (beta * (1 - eta * lam)) * v - (eta * lam) * w + (eta / N) * (
+      X.T @ r - beta * (X.T @ u))
+  # X v' = X step, with X w = y - r
+  x_step = (beta * (1 - eta * lam)) * u - (eta * lam) * (y - r) + (eta / N) * (
+      X @ X.T @ r - beta * (X @ X.T @ u))
+  prog.loop({v: step, w: w + step, u: x_step, r: r - x_step})
+  _read_out(prog, Xq, w)
+  return prog
+
+
+def newton_schulz(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
+                  ) -> programs.Program:
+  r"""Newton–Schulz, :math:`M' = 2M - M A M`, with ``w`` refined by the running inverse.
+
+  .. math::
+    M_0 = \alpha I, \qquad w_0 = \alpha b, \qquad
+    w' = w + M (b - A w),
+
+  ``A`` and ``M`` symmetric (``M`` is a polynomial in ``A``), so ``M A M``
+  reads as ``M A^T M``. ``I - A M_t = (I - \alpha A)^{2^t}``: layer ``t``
+  holds GD step ``2^t``, the residual squares each layer. ``w`` is iterative
+  refinement (BUILD_NOTES.md): rounding in ``w`` corrects itself. Scalars:
+  ``lam``, ``alpha`` (``0 < alpha < 2 / mu_max``). The same program as
+  :class:`elsa.forms.Newton`.
+  """
+  prog = programs.Program()
+  X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
+                             n_out=n_out)
+  N = n_train
+  lam, alpha = prog.scalar("lam"), prog.scalar("alpha")
+  A = prog.state("A", (d, d), init=X.T @ X / N + lam * programs.eye(d),
+                 symmetric=True)
+  M = prog.state("M", (d, d), init=alpha * programs.eye(d), symmetric=True)
+  w = prog.state("w", (d, n_out), init=(alpha / N) * (X.T @ y))
+  prog.loop({M: 2 * M - M @ A @ M,
+             w: w + (1 / N) * (M @ X.T @ y) - M @ A @ w})
+  _read_out(prog, Xq, w)
+  return prog
+
+
+def third_order(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
+                ) -> programs.Program:
+  r"""The third-order hyperpower iteration with its residual ``R = I - A M`` as a block.
+
+  .. math::
+    M' = M + M R + M R^2, \qquad R' = R^3, \qquad
+    w' = w + M s + M R s, \qquad s' = R^2 s,
+
+  from ``M_0 = alpha I``, ``R_0 = I - alpha A``, ``w_0 = 0``, ``s_0 = b``.
+  ``R`` is a polynomial in ``A``, hence symmetric: ``M R R`` reads as ``M R^T
+  R`` (three blocks). ``s = b - A w`` is kept exactly: ``s' = s - A M (I + R)
+  s = R^2 s``; so ``R_t = R_0^{3^t}`` and ``s_t = R_0^{3^t - 1} b``: layer
+  ``t`` holds GD step ``3^t - 1``; the residual cubes each layer (Newton–Schulz
+  squares it). ``A`` itself is never stored. Scalars: ``lam``, ``alpha``.
+  """
+  prog = programs.Program()
+  X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
+                             n_out=n_out)
+  N = n_train
+  lam, alpha = prog.scalar("lam"), prog.scalar("alpha")
+  M = prog.state("M", (d, d), init=alpha * programs.eye(d), symmetric=True)
+  R = prog.state("R", (d, d), symmetric=True,
+                 init=(1 - alpha * lam) * programs.eye(d)
+                 - (alpha / N) * (X.T @ X))
+  w = prog.state("w", (d, n_out))
+  s = prog.state("s", (d, n_out), init=(X.T @ y) / N)
+  prog.loop({M: M + M @ R + M @ R @ R, R: R @ R @ R,
+             w: w + M @ s + M @ R @ s, s: R @ R @ s})
+  _read_out(prog, Xq, w)
+  return prog
+
+
+ALGORITHMS = {
+    "gd": ridge_gd, "heavy_ball": heavy_ball, "nesterov": nesterov,
+    "chebyshev": chebyshev, "newton_schulz": newton_schulz,
+    "third_order": third_order,
+}
+
+
+# --- step sizes, computed outside the stack -----------------------------------
+
+
+def eigen_bounds(x: Array, *, lam) -> tuple[Array, Array]:
+  """``mu_min, mu_max`` of ``A = X^T X / N + lam I``, each ``[...]`` for ``x [..., N, d]``."""
+  n_train = x.shape[-2]
+  gram = jnp.matmul(jnp.swapaxes(x, -1, -2), x,
+                    precision="highest") / n_train
+  evals = jnp.linalg.eigvalsh(gram) + jnp.asarray(lam, x.dtype)
+  return evals[..., 0], evals[..., -1]
+
+
+def gd_step(mu_min, mu_max):
+  """``eta = 2 / (mu_min + mu_max)``, GD's fastest constant step."""
+  return 2 / (mu_min + mu_max)
+
+
+def heavy_ball_parameters(mu_min, mu_max):
+  """Polyak's optimal ``(eta, beta)``: ``4 / (sqrt L + sqrt mu)^2``, ``((sqrt k - 1)/(sqrt k + 1))^2``."""
+  sl, sm = jnp.sqrt(mu_max), jnp.sqrt(mu_min)
+  return 4 / (sl + sm) ** 2, ((sl - sm) / (sl + sm)) ** 2
+
+
+def nesterov_parameters(mu_min, mu_max):
+  """``(eta, beta) = (1 / L, (sqrt k - 1) / (sqrt k + 1))`` for strongly convex quadratics."""
+  sk = jnp.sqrt(mu_max / mu_min)
+  return 1 / mu_max, (sk - 1) / (sk + 1)
+
+
+def chebyshev_schedule(mu_min, mu_max, loops: int):
+  r"""Chebyshev semi-iteration as heavy-ball schedules ``(eta [loops], beta [loops])``.
+
+  With ``theta = (L + mu) / 2``, ``delta = (L - mu) / 2``, ``sigma = theta /
+  delta``: ``eta_0 = 1 / theta``, ``beta_0 = 0``; then ``rho_0 = 1 / sigma``,
+  ``rho_t = 1 / (2 sigma - rho_{t-1})``, ``eta_t = 2 rho_t / delta``,
+  ``beta_t = rho_t rho_{t-1}``. The error after ``t`` steps is
+  ``1 / T_t(sigma)`` of the start, the optimal polynomial on ``[mu, L]``.
+  Traceable: the bounds may be traced.
+  """
+  theta, delta = (mu_max + mu_min) / 2, (mu_max - mu_min) / 2
+  sigma = theta / delta
+  rhos = [1 / sigma]
+  for _ in range(loops - 1):
+    rhos.append(1 / (2 * sigma - rhos[-1]))
+  eta = [1 / theta] + [2 * rho / delta for rho in rhos[1:]]
+  beta = [jnp.zeros_like(sigma)] + [a * b for a, b in zip(rhos[1:], rhos)]
+  return jnp.stack(eta[:loops]), jnp.stack(beta[:loops])
