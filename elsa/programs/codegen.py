@@ -169,7 +169,28 @@ def components(step: Step, layout: Layout) -> list[Component]:
                           c.coef))
         continue
     out.append(_product(c, target, before, m, n))
-  return [mix] + ([constant] if constant.parts else []) + out
+  return [mix] + ([constant] if constant.parts else []) + _merged(out)
+
+
+def _merged(parts: list[Component]) -> list[Component]:
+  """Components that differ only in their scaled leaf, summed into one.
+
+  The output of a component is linear in its scaled leaf (``W2`` or ``B2``),
+  so terms that read the same blocks through the same selectors (``X^T r``
+  into ``w`` and into ``v``; ``X X^T r`` and ``X X^T u``) add exactly.
+  """
+  out = []
+  for part in parts:
+    for kept in out:
+      if (kept.kind == part.kind and kept.scaled == part.scaled
+          and kept.fixed.keys() == part.fixed.keys()
+          and all(np.array_equal(kept.fixed[k], part.fixed[k])
+                  for k in kept.fixed)):
+        kept.parts.extend(part.parts)
+        break
+    else:
+      out.append(part)
+  return out
 
 
 def layer_params(parts: list[Component], values: Mapping, *, m: int, n: int,
