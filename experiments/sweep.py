@@ -198,7 +198,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
       an empty grid, or arrays that would not fit in memory.
   """
   common.check_int(config, "seed", low=0)
-  forms_ = common.check_items(config, "forms", choices=sorted(_FORM_CLASSES))
+  form_names = common.check_items(config, "forms",
+                                  choices=sorted(_FORM_CLASSES))
   for field in ("n_train", "d", "n_query", "n_tasks", "depth", "chunk_size"):
     common.check_int(config, field)
   common.check_float(config, "noise", low=0)
@@ -206,7 +207,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   common.check_choice(config, "eta_mode", ("fraction", "absolute"))
   common.check_items(config, "etas", low=0, low_open=True)
   common.check_choice(config, "dtype", ("float32", "float64"))
-  common.check_fits(_bytes_needed(config, forms_),
+  common.check_fits(_bytes_needed(config, form_names),
                     fields="n_train, d, n_query, n_tasks, depth, chunk_size "
                            "and the grid")
 
@@ -218,11 +219,12 @@ def _bytes_needed(config: ml_collections.ConfigDict, form_names) -> int:
   n_items = _n_items(config)
   chunk = min(config.chunk_size, n_items)
   inputs = config.n_train * (config.d + 1) + config.n_query * config.d
-  state = max(make_form(name, config).m * make_form(name, config).n
-              for name in form_names)
-  widest = max(make_form(name, config).m + make_form(name, config).n
-               for name in form_names) ** 2
-  per_item = (config.depth + 1) * (state + widest + config.d) + config.d ** 2
+  shapes = [(form.m, form.n) for form in (make_form(name, config)
+                                          for name in form_names)]
+  state = max(m * n for m, n in shapes)
+  # A layer's parameters: weights and biases of a few components.
+  params = max((m + n) * n for m, n in shapes) * 6
+  per_item = (config.depth + 1) * (state + params + config.d) + config.d ** 2
   return itemsize * (n_items * inputs + 3 * chunk * per_item)
 
 
