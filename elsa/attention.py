@@ -25,15 +25,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from elsa import _validate
+# The library's default dtype; elsa.attention.float_dtype is kept for callers.
+from elsa._validate import float_dtype
+
 Array = jax.Array
-
-
-def float_dtype(dtype=None):
-  """``dtype`` itself, or JAX's default float when ``None``: float32, or
-  float64 under ``jax_enable_x64``. The one place the library picks a default."""
-  if dtype is None:
-    return jax.dtypes.canonicalize_dtype(jnp.float64)
-  return jnp.dtype(dtype)
 
 
 class ElsaParams(NamedTuple):
@@ -122,9 +118,7 @@ def _check(p: ElsaParams, h: Array, *, lead: tuple[str, ...], fn: str,
   """
   if not isinstance(p, ElsaParams):
     raise TypeError(f"{fn}: p must be an ElsaParams, got {type(p).__name__}.")
-  h_dtype = jnp.result_type(h)
-  if not jnp.issubdtype(h_dtype, jnp.floating):
-    raise TypeError(f"{fn}: h must have a floating dtype, got {h_dtype}.")
+  _validate.floating(fn, "h", h)
   if jnp.ndim(h) < 2:
     raise ValueError(f"{fn}: h must have shape [..., m, n] (rank >= 2), got "
                      f"shape {jnp.shape(h)}.")
@@ -135,9 +129,7 @@ def _check(p: ElsaParams, h: Array, *, lead: tuple[str, ...], fn: str,
       axes = ", ".join((*lead, "rows", "cols"))
       raise ValueError(f"{fn}: p.{name} must have rank {rank} [{axes}], got "
                        f"shape {jnp.shape(leaf)}.")
-    if jnp.result_type(leaf) != h_dtype:
-      raise TypeError(f"{fn}: p.{name} has dtype {jnp.result_type(leaf)} but h "
-                      f"has dtype {h_dtype}; cast one of them explicitly.")
+    _validate.same_dtype(fn, f"p.{name}", leaf, "h", h)
   m, n = jnp.shape(h)[-2:]
   k, v = p.w1.shape[-1], p.w2.shape[-1]
   lead_shape = p.w1.shape[:-2]

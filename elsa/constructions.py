@@ -45,7 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elsa.attention import Array, ElsaParams, float_dtype
+from elsa import _validate
+from elsa.attention import Array, ElsaParams
+from elsa._validate import float_dtype
 
 Indices = Sequence[int]
 
@@ -62,12 +64,7 @@ def _as_float(x, fn: str, name: str) -> Array:
 
 def _size(value, fn: str, name: str) -> int:
   """A positive static int (a shape), else ``ValueError``/``TypeError``."""
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-      value, (int, np.integer)):
-    raise TypeError(f"{fn}: {name} must be a positive int, got {value!r}.")
-  if value < 1:
-    raise ValueError(f"{fn}: {name} must be a positive int, got {value}.")
-  return int(value)
+  return _validate.int_at_least(fn, name, value, low=1)
 
 
 def _indices(idx, size: int, fn: str, name: str, axis: str) -> tuple[int, ...]:

@@ -8,18 +8,23 @@ Objective, for examples ``x: [N, d]`` and targets ``y: [N]`` (or ``[N, k]``):
 
 Nothing here knows about attention: these are the independent references the
 ELSA constructions are checked against.
+
+Arguments are checked as :mod:`elsa._validate` says (wrong type or dtype:
+``TypeError``; wrong shape or value: ``ValueError``): ``N >= 1`` examples;
+``lam`` a scalar or an array whose shape broadcasts to the batch axes of
+``x``, the same rule in every function; and, where ridge GD and its minimiser
+need them, ``lam >= 0`` and ``eta > 0``, checked when the values are concrete.
 """
 
 from __future__ import annotations
 
 import functools
-import operator
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from elsa.attention import float_dtype
+from elsa import _validate
 
 Array = jax.Array
 
@@ -32,21 +37,20 @@ def _mm(a: Array, b: Array) -> Array:
   return jnp.matmul(a, b, precision=_EXACT)
 
 
-def _check_floating(fn: str, x: Array) -> None:
+def _check_x(fn: str, x: Array) -> None:
+  """``x [..., N, d]``, floating, with ``N >= 1`` (the objective divides by N)."""
   if jnp.ndim(x) < 2:
     raise ValueError(f"{fn}: x must have shape [..., N, d], got {jnp.shape(x)}.")
-  dtype = jnp.result_type(x)
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"{fn}: x must have a floating dtype, got {dtype}; cast it "
-                    "explicitly (lam and eta are cast to the dtype of x).")
+  _validate.floating(fn, "x", x)
+  if jnp.shape(x)[-2] < 1:
+    raise ValueError(f"{fn}: x must hold N >= 1 examples (shape [..., N, d]), "
+                     f"got shape {jnp.shape(x)}.")
 
 
 def _check_xy(fn: str, x: Array, y: Array) -> None:
   """Shapes and dtypes of ``x [..., N, d]`` and ``y [..., N(, k)]``."""
-  _check_floating(fn, x)
-  if jnp.result_type(y) != jnp.result_type(x):
-    raise TypeError(f"{fn}: y has dtype {jnp.result_type(y)} but x has dtype "
-                    f"{jnp.result_type(x)}; cast one of them explicitly.")
+  _check_x(fn, x)
+  _validate.same_dtype(fn, "y", y, "x", x)
   n_x = jnp.shape(x)[-2]
   lead = jnp.shape(x)[:-2]
   if jnp.shape(y)[:len(lead) + 1] != (*lead, n_x) or jnp.ndim(y) not in (
@@ -61,9 +65,28 @@ def _as_matrix(x: Array, y: Array) -> tuple[Array, bool]:
   return (y[..., None] if vector else y), vector
 
 
+def _check_lam(fn: str, lam, x: Array) -> None:
+  """``lam`` is a scalar or broadcasts to the batch axes ``[...]`` of ``x``
+  (one strength per task), without adding axes of its own."""
+  batch = jnp.shape(x)[:-2]
+  try:
+    fits = jnp.broadcast_shapes(jnp.shape(lam), batch) == batch
+  except ValueError:
+    fits = False
+  if not fits:
+    raise ValueError(f"{fn}: lam must be a scalar or broadcast to the batch "
+                     f"shape {batch} of x (shape {jnp.shape(x)}), got shape "
+                     f"{jnp.shape(lam)}.")
+
+
 def normal_equations(x: Array, y: Array, *, lam) -> tuple[Array, Array]:
   """``A = X^T X / N + lam I`` ``[..., d, d]`` and ``b = X^T y / N`` ``[..., d(, k)]``."""
   _check_xy("normal_equations", x, y)
+  _check_lam("normal_equations", lam, x)
+  return _normal_equations(x, y, lam=lam)
+
+
+def _normal_equations(x: Array, y: Array, *, lam) -> tuple[Array, Array]:
   n_train, d = jnp.shape(x)[-2:]
   xt = jnp.swapaxes(x, -1, -2)
   a = _mm(xt, x) / n_train
@@ -98,6 +121,7 @@ def _check_w(fn: str, w: Array, x: Array, y: Array) -> None:
 def loss(w: Array, x: Array, y: Array, *, lam) -> Array:
   """The ridge objective ``L(w)`` for ``w: [..., d(, k)]``; returns ``[...]``."""
   _check_xy("loss", x, y)
+  _check_lam("loss", lam, x)
   _check_w("loss", w, x, y)
   y2, vector = _as_matrix(x, y)
   w2 = w[..., None] if vector else w
@@ -107,29 +131,16 @@ def loss(w: Array, x: Array, y: Array, *, lam) -> Array:
           + 0.5 * jnp.asarray(lam, x.dtype) * jnp.sum(w2**2, axis=(-2, -1)))
 
 
-def _steps(steps) -> int:
-  """``steps`` as a Python int >= 0 (numpy integers accepted)."""
-  if isinstance(steps, bool):
-    raise TypeError(f"gd: steps must be an int >= 0, got {steps!r}.")
-  try:
-    steps = operator.index(steps)
-  except TypeError:
-    raise TypeError(f"gd: steps must be an int >= 0, got {steps!r} of type "
-                    f"{type(steps).__name__}.") from None
-  if steps < 0:
-    raise ValueError(f"gd: steps must be an int >= 0, got {steps}.")
-  return steps
-
-
 def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
        ) -> Array:
   """All iterates of batch gradient descent on :func:`loss`.
 
   Args:
-    x: ``[..., N, d]``, floating.
+    x: ``[..., N, d]``, floating, ``N >= 1``.
     y: ``[..., N]`` or ``[..., N, k]``, in the dtype of ``x``.
-    lam: ridge strength, a scalar (may be traced).
-    eta: step size, a scalar or a schedule ``[steps]`` (may be traced).
+    lam: ridge strength ``>= 0``, a scalar or one per task (a shape that
+      broadcasts to ``[...]``); may be traced.
+    eta: step size ``> 0``, a scalar or a schedule ``[steps]``; may be traced.
     steps: number of steps (static), an int or numpy integer ``>= 0``.
     w0: start ``[..., d(, k)]`` in the dtype of ``x``; zero by default.
 
@@ -137,11 +148,15 @@ def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
     ``[steps + 1, ..., d(, k)]``: ``w_0, w_1, ..., w_steps``.
 
   Raises:
-    ValueError: a shape does not match, or ``steps < 0``.
+    ValueError: a shape does not match, ``N = 0``, ``steps < 0``, or a
+      concrete ``lam < 0`` or ``eta <= 0``.
     TypeError: ``x`` is not floating, ``y`` or ``w0`` has another dtype, or
       ``steps`` is not an integer.
   """
-  return _gd(x, y, lam=lam, eta=eta, steps=_steps(steps), w0=w0)
+  steps = _validate.int_at_least("gd", "steps", steps, low=0)
+  _validate.at_least("gd", "lam", lam, low=0, strict=False)
+  _validate.at_least("gd", "eta", eta, low=0, strict=True)
+  return _gd(x, y, lam=lam, eta=eta, steps=steps, w0=w0)
 
 
 # Jitted so that eager calls compile once per shape instead of once per op.
@@ -149,13 +164,14 @@ def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
 def _gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None
         ) -> Array:
   _check_xy("gd", x, y)
+  _check_lam("gd", lam, x)
   eta = jnp.asarray(eta, x.dtype)
   if eta.shape not in ((), (steps,)):
     raise ValueError(f"gd: eta must be a scalar or a schedule of shape "
                      f"({steps},) for steps={steps}, got shape {eta.shape}.")
   etas = jnp.broadcast_to(eta, (steps,))
   y2, vector = _as_matrix(x, y)
-  a, b = normal_equations(x, y2, lam=lam)
+  a, b = _normal_equations(x, y2, lam=lam)
   if w0 is None:
     w = jnp.zeros_like(b)
   else:
@@ -186,20 +202,32 @@ def solve(x: Array, y: Array, *, lam) -> Array:
   Solved by an eigendecomposition of the symmetric ``A``; directions with a
   numerically zero eigenvalue (``lam = 0`` and ``N < d``) are dropped, which
   gives the minimum-norm solution: the limit of :func:`gd` from ``w0 = 0``.
+
+  ``lam`` (a scalar, or one per task as in :func:`gd`) must be ``>= 0``: a
+  concrete ``lam < 0`` raises ``ValueError``. A traced one cannot be checked;
+  for it the formula is computed as written (pseudo-inverse over eigenvalues
+  of either sign), which is the minimiser only while ``A`` stays positive
+  semi-definite, ``lam >= -lambda_min(X^T X / N)``; below that the objective
+  is unbounded below and the result is its stationary point (a saddle).
   """
   _check_xy("solve", x, y)
+  _check_lam("solve", lam, x)
+  _validate.at_least("solve", "lam", lam, low=0, strict=False)
   y2, vector = _as_matrix(x, y)
-  a, b = normal_equations(x, y2, lam=lam)
+  a, b = _normal_equations(x, y2, lam=lam)
   evals, evecs = jnp.linalg.eigh(a)
-  tol = evals[..., -1:] * a.shape[-1] * jnp.finfo(a.dtype).eps
-  inv = jnp.where(evals > tol, 1 / jnp.where(evals > tol, evals, 1), 0)
+  # Relative to the largest |eigenvalue|: A may be indefinite (traced lam < 0).
+  tol = jnp.max(jnp.abs(evals), axis=-1, keepdims=True) * (
+      a.shape[-1] * jnp.finfo(a.dtype).eps)
+  kept = jnp.abs(evals) > tol
+  inv = jnp.where(kept, 1 / jnp.where(kept, evals, 1), 0)
   w = _mm(evecs, inv[..., None] * _mm(jnp.swapaxes(evecs, -1, -2), b))
   return w[..., 0] if vector else w
 
 
 def stability_limit(x: Array, *, lam) -> Array:
   """``2 / (lambda_max(X^T X / N) + lam)``: GD converges iff ``0 < eta <`` this. ``[...]``."""
-  _check_floating("stability_limit", x)
+  _check_x("stability_limit", x)
   gram = _mm(jnp.swapaxes(x, -1, -2), x) / jnp.shape(x)[-2]
   return 2 / (jnp.linalg.eigvalsh(gram)[..., -1] + jnp.asarray(lam, x.dtype))
 
@@ -233,7 +261,7 @@ def sample_tasks(key: Array, *, batch: int, n_train: int, d: int,
     x_cov: optional input covariance ``[d, d]`` (``L`` its Cholesky factor).
     dtype: floating dtype of every array (default: JAX's default float).
   """
-  dtype = float_dtype(dtype)
+  dtype = _validate.float_dtype(dtype)
   kx, kq, kw, kn, knq = jax.random.split(key, 5)
   out = () if n_out is None else (n_out,)
   chol = (jnp.eye(d, dtype=dtype) if x_cov is None

@@ -416,25 +416,74 @@ def format_tables(results: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Refuses a config that cannot run, in one line naming the field.
+
+  Raises:
+    experiments.common.ConfigError: a field outside its range, a NaN or inf,
+      an empty list of sizes, or arrays that would not fit in memory.
+  """
+  common.check_int(config, "seed", low=0)
+  common.check_choice(config, "dtype", ("float32", "float64"))
+  common.check_int(config, "warmup", low=0)
+  common.check_int(config, "reps")
+  common.check_int(config, "min_reps", high=config.reps)
+  common.check_float(config, "max_case_s", low=0, low_open=True)
+  for field in ("tokens", "widths", "stack_depths", "sweep_batches"):
+    common.check_items(config, field, integer=True, low=1)
+  common.check_items(config, "unrolled_depths", integer=True, low=1,
+                     allow_empty=True)
+  for field in ("fit_min_tokens", "square_matmul_size", "stack_tokens",
+                "stack_width", "stack_components", "compile_reps",
+                "sweep_n_train", "sweep_d", "sweep_n_query", "sweep_depth"):
+    common.check_int(config, field)
+  common.check_float(config, "quadratic_budget_gib", low=0)
+  common.check_choice(config, "sweep_form", ("designed", "natural"))
+  common.check_items(config, "sweep_lams", low=0)
+  common.check_items(config, "sweep_eta_fractions", low=0, high=1,
+                     low_open=True, high_open=True)
+  itemsize = jnp.dtype(config.dtype).itemsize
+  m, n = max(config.tokens), max(config.widths)
+  stack = max(config.stack_depths + config.unrolled_depths)
+  # Part 1: h, the outputs and the weights; part 2: the stack's parameters;
+  # the square matmul; a few copies each.
+  common.check_fits(
+      3 * itemsize * (4 * m * n + 4 * n * n
+                      + stack * config.stack_components * 6
+                      * (config.stack_tokens + config.stack_width)
+                      * config.stack_width
+                      + 3 * config.square_matmul_size ** 2),
+      fields="tokens, widths, stack_* and square_matmul_size")
+
+
 def run(config: ml_collections.ConfigDict, workdir: str, *,
         overwrite: bool = False) -> dict[str, Any]:
   """Runs every part, writes ``results.json`` and returns the results.
 
   A workdir that already holds results of the same config is not re-measured:
-  its results are returned (pass ``overwrite`` to measure again).
+  its results are returned. ``overwrite`` (as for every driver) first deletes
+  what an earlier benchmark wrote in ``workdir``, so everything is measured
+  again. ``config.dtype = "float64"`` turns on ``jax_enable_x64`` inside.
+
+  Raises:
+    experiments.common.ConfigError: the config cannot run (nothing written).
+    experiments.common.WorkdirInUse: another run holds ``workdir``, or it
+      holds a different config and ``overwrite`` is off.
   """
-  common.prepare_workdir(workdir, config, overwrite=overwrite)
-  path = os.path.join(workdir, "results.json")
-  found = common.read_json(path)
-  if found is not None and not overwrite:
-    logging.info("%s holds finished results; not re-measuring.", path)
-    return found
-  results = dict(machine=machine(), square_matmul=square_matmul(config))
-  results["primitive"] = run_primitive(config)
-  results["stack"] = run_stack(config)
-  results["sweep"] = run_sweep(config)
-  results["load_average_after"] = list(os.getloadavg())
-  common.write_json(path, results)
+  validate(config)
+  with common.float_dtype_enabled(config.dtype), common.claim_workdir(
+      workdir, config, overwrite=overwrite) as wd:
+    found = wd.read_json("results.json")
+    if found is not None:
+      logging.info("%s holds finished results; not re-measuring.",
+                   wd.path("results.json"))
+      return found
+    results = dict(machine=machine(), square_matmul=square_matmul(config))
+    results["primitive"] = run_primitive(config)
+    results["stack"] = run_stack(config)
+    results["sweep"] = run_sweep(config)
+    results["load_average_after"] = list(os.getloadavg())
+    wd.write_json("results.json", results)
   return results
 
 

@@ -17,29 +17,33 @@ until ``||w - w*|| / ||w*|| <= tol``:
 
 Each kappa draws its tasks from its own generator,
 ``np.random.default_rng([seed, i])``, and is saved as ``partial_kappa<i>.json``
-as soon as it is done, so a rerun resumes at the first unfinished kappa. Then
-``results.json`` and ``figures/newton_layers.png``, all in ``--workdir``.
+as soon as it is done (tied to the config by its hash, verified on resume),
+so a rerun resumes at the first unfinished kappa. Then ``results.json`` and
+``figures/newton_layers.png`` (:func:`experiments.plotting.newton_layers`),
+all in ``--workdir``, claimed as every driver claims it
+(:func:`experiments.common.claim_workdir`).
 The float32 and float64 runs use full-precision matmuls
 (``jax.default_matmul_precision("highest")``): GPUs and TPUs would otherwise
-run float32 products in TF32 or bfloat16.
+run float32 products in TF32 or bfloat16. ``jax_enable_x64`` is on during
+:func:`run` (the float64 run and references) and restored after it.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 from absl import app
 from absl import logging
 import jax
 import jax.numpy as jnp
-from matplotlib.figure import Figure
+import ml_collections
 import numpy as np
 
 import elsa
 from elsa import ridge
 from elsa.forms.newton import Newton, safe_alpha
 from experiments import common
+from experiments import plotting
 
 
 def spectrum_tasks(rng: np.random.Generator, *, kappa: float, count: int,
@@ -107,9 +111,7 @@ def newton_decoder(form: Newton, *, lam: float, depth: int):
 
 def _relative_errors(ws, w_star) -> np.ndarray:
   """``||w - w*|| / ||w*||`` per task and layer, in float64: ``[B, L + 1]``."""
-  ws = np.asarray(ws, np.float64)
-  diff = np.linalg.norm(ws - w_star[:, None], axis=-1)
-  return diff / np.linalg.norm(w_star, axis=-1)[:, None]
+  return common.relative_error(np.asarray(ws, np.float64), w_star[:, None])
 
 
 def _first_below(errors: np.ndarray, tol: float) -> list[int | None]:
@@ -173,7 +175,7 @@ def _check_gd_count(x, y, w_star, *, lam, eta, tol, steps) -> bool | None:
     return None
   ws = np.asarray(ridge.gd(jnp.asarray(x), jnp.asarray(y), lam=lam, eta=eta,
                            steps=steps))
-  errors = np.linalg.norm(ws - w_star, axis=-1) / np.linalg.norm(w_star)
+  errors = common.relative_error(ws, w_star)
   return bool(errors[-1] <= tol and (steps == 0 or errors[-2] > tol))
 
 
@@ -222,40 +224,37 @@ def markdown_table(results: dict) -> str:
   return "\n".join(lines)
 
 
-def plot(results: dict, path: str) -> None:
-  """Layers vs kappa (left) and the median Newton error per layer (right)."""
-  # A bare Figure, not pyplot: it leaves a notebook's backend alone.
-  rows = summary_rows(results)
-  kappas = [r["kappa"] for r in rows]
-  fig = Figure(figsize=(11, 4))
-  left, right = fig.subplots(1, 2)
-  for key, label in (("newton_f64_safe", "ELSA-Newton, alpha=1/||A||_F (f64)"),
-                     ("newton_f64_best", "ELSA-Newton, best alpha (f64)"),
-                     ("newton_f32_safe", "ELSA-Newton f32 (tol_float32)"),
-                     ("elsa_gd_best", "ELSA-GD, eta=2/(mu_min+mu_max)"),
-                     ("gd_plain", "GD, eta=1/mu_max")):
-    pts = [(k, r[key]) for k, r in zip(kappas, rows) if r[key] is not None]
-    if pts:
-      left.plot(*zip(*pts), marker="o", label=label)
-  left.set(xscale="log", yscale="log", xlabel="kappa(A)",
-           ylabel=f"layers to rel. error {results['config']['tol']:g}")
-  left.legend(fontsize=7)
-  for i, r in enumerate(results["per_kappa"]):
-    for dtype, style in (("float64", "-"), ("float32", ":")):
-      curve = r[f"newton_{dtype}_safe_curve"]
-      right.plot(range(len(curve)), curve, style, color=f"C{i}",
-                 label=f"kappa={r['kappa']:g} {dtype}")
-  right.set(yscale="log", xlabel="layer", ylabel="median ||w - w*|| / ||w*||")
-  right.legend(fontsize=6, ncol=2)
-  common.save_figure(fig, path)
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Refuses a config that cannot run, in one line naming the field.
+
+  Raises:
+    experiments.common.ConfigError: a field outside its range, a NaN or inf,
+      an empty ``kappas``, or arrays that would not fit in memory.
+  """
+  common.check_int(config, "seed", low=0)
+  kappas = common.check_items(config, "kappas", low=1)
+  for field in ("d", "n_query", "tasks_per_kappa", "depth"):
+    common.check_int(config, field)
+  common.check_int(config, "n_train", low=config.d)
+  common.check_float(config, "lam", low=0, high=1 / max(kappas),
+                     high_open=True)
+  common.check_float(config, "noise", low=0)
+  for field in ("tol", "tol_float32"):
+    common.check_float(config, field, low=0, high=1, low_open=True,
+                       high_open=True)
+  form = Newton(n_train=config.n_train, d=config.d, n_query=config.n_query)
+  layers = form.setup_layers + config.depth + 1
+  # Every layer's state and parameters, for a kappa's tasks, in float64.
+  common.check_fits(8 * 3 * config.tasks_per_kappa * layers
+                    * (form.m + form.n) ** 2,
+                    fields="n_train, d, n_query, tasks_per_kappa and depth")
 
 
-def _per_kappa(config, workdir: str) -> list[dict]:
+def _per_kappa(config, wd: common.Workdir) -> list[dict]:
   """Every kappa's result: loaded if an earlier run saved it, else computed and saved."""
-  paths = [os.path.join(workdir, f"partial_kappa{i}.json")
-           for i in range(len(config.kappas))]
-  per_kappa = [common.read_json(path) for path in paths]
-  progress = common.Progress(len(paths), name="newton", unit="kappas")
+  names = [f"partial_kappa{i}.json" for i in range(len(config.kappas))]
+  per_kappa = [wd.read_json(name) for name in names]
+  progress = common.Progress(len(names), name="newton", unit="kappas")
   progress.resumed(sum(r is not None for r in per_kappa))
   form = Newton(n_train=config.n_train, d=config.d, n_query=config.n_query)
   decoder = newton_decoder(form, lam=config.lam, depth=config.depth)
@@ -267,7 +266,7 @@ def _per_kappa(config, workdir: str) -> list[dict]:
       # Sanitised here, once: what run returns is what the JSON holds.
       per_kappa[i] = common.finite_or_none(
           _kappa_result(config, float(kappa), rng, decoder))
-      common.write_json(paths[i], per_kappa[i])
+      wd.write_json(names[i], per_kappa[i])
       progress.update()
   return per_kappa
 
@@ -275,30 +274,39 @@ def _per_kappa(config, workdir: str) -> list[dict]:
 def run(config, workdir: str, *, overwrite: bool = False) -> dict:
   """Runs the sweep into ``workdir`` and returns the results dict.
 
-  Skips it if ``results.json`` exists, and resumes from the
-  ``partial_kappa<i>.json`` files if not. Non-finite numbers are ``None``
-  (JSON null) in the returned dict as in the file.
+  Checks the config, claims the workdir (``overwrite`` first deletes what an
+  earlier newton run wrote there), then skips the work if ``results.json``
+  exists, and resumes from the ``partial_kappa<i>.json`` files if not.
+  Non-finite numbers are ``None`` (JSON null) in the returned dict as in the
+  file. ``jax_enable_x64`` is on inside, restored after.
+
+  Raises:
+    experiments.common.ConfigError: the config cannot run (nothing written).
+    experiments.common.WorkdirInUse: another run holds ``workdir``, or it
+      holds a different config and ``overwrite`` is off.
+    experiments.common.CorruptOutput: a saved file is damaged, altered or of
+      another config.
   """
-  if not jax.config.jax_enable_x64:
-    raise RuntimeError("newton.run: needs float64 for its references; call "
-                       "jax.config.update('jax_enable_x64', True) first.")
-  common.prepare_workdir(workdir, config, overwrite=overwrite)
-  results_path = os.path.join(workdir, "results.json")
-  results = common.read_json(results_path)
-  if results is None:
-    results = {"config": common.config_dict(config),
-               "per_kappa": _per_kappa(config, workdir)}
-    # results.json last: its presence means the run is complete.
-    common.write_json(results_path, results)
-  else:
-    logging.info("newton: results exist in %s; skipping the sweep.", workdir)
-  plot(results, os.path.join(workdir, "figures", "newton_layers.png"))
+  validate(config)
+  with jax.enable_x64(True), common.claim_workdir(
+      workdir, config, overwrite=overwrite,
+      owned=("partial_kappa*.json",)) as wd:
+    results = wd.read_json("results.json")
+    if results is None:
+      results = {"config": common.config_dict(config),
+                 "per_kappa": _per_kappa(config, wd)}
+      # results.json last: its presence means the run is complete.
+      wd.write_json("results.json", results)
+    else:
+      logging.info("newton: results exist in %s; skipping the sweep.",
+                   workdir)
+    wd.save_figure(plotting.newton_layers(results, summary_rows(results)),
+                   "figures/newton_layers.png")
   logging.info("newton summary:\n%s", markdown_table(results))
   return results
 
 
 def main(argv):
-  jax.config.update("jax_enable_x64", True)  # the float64 run and references
   common.run_main(argv, "newton", run)
 
 

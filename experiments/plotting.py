@@ -8,7 +8,8 @@ Sweep figures take the record list. Diverged cells (``eta`` past the GD
 stability limit) never enter an error curve: the heatmap shows them greyed
 out and labelled, the curves leave them out and say how many.
 
-Training figures take the results dict of ``experiments.train``.
+Training figures take the results dict of ``experiments.train``; the Newton
+figure the results dict of ``experiments.newton`` and its summary rows.
 """
 
 from __future__ import annotations
@@ -174,4 +175,36 @@ def shifted_test_loss(results: dict) -> Figure:
     ax.set(yscale="log", title=f"L={depths[i]}: test MSE under shift")
     ax.tick_params(axis="x", rotation=70, labelsize=6)
   axes[0].legend(fontsize=7)
+  return fig
+
+
+# Newton-Schulz against GD (experiments/newton.py).
+
+
+def newton_layers(results: dict, rows: list[dict]) -> Figure:
+  """Layers vs kappa (left) and the median Newton error per layer (right).
+
+  ``rows``: ``experiments.newton.summary_rows(results)``, medians per kappa.
+  """
+  kappas = [r["kappa"] for r in rows]
+  fig = Figure(figsize=(11, 4))
+  left, right = fig.subplots(1, 2)
+  for key, label in (("newton_f64_safe", "ELSA-Newton, alpha=1/||A||_F (f64)"),
+                     ("newton_f64_best", "ELSA-Newton, best alpha (f64)"),
+                     ("newton_f32_safe", "ELSA-Newton f32 (tol_float32)"),
+                     ("elsa_gd_best", "ELSA-GD, eta=2/(mu_min+mu_max)"),
+                     ("gd_plain", "GD, eta=1/mu_max")):
+    pts = [(k, r[key]) for k, r in zip(kappas, rows) if r[key] is not None]
+    if pts:
+      left.plot(*zip(*pts), marker="o", label=label)
+  left.set(xscale="log", yscale="log", xlabel="kappa(A)",
+           ylabel=f"layers to rel. error {results['config']['tol']:g}")
+  left.legend(fontsize=7)
+  for i, r in enumerate(results["per_kappa"]):
+    for dtype, style in (("float64", "-"), ("float32", ":")):
+      curve = r[f"newton_{dtype}_safe_curve"]
+      right.plot(range(len(curve)), curve, style, color=f"C{i}",
+                 label=f"kappa={r['kappa']:g} {dtype}")
+  right.set(yscale="log", xlabel="layer", ylabel="median ||w - w*|| / ||w*||")
+  right.legend(fontsize=6, ncol=2)
   return fig

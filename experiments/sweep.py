@@ -30,7 +30,14 @@ Resuming: each finished chunk of items is saved at once as
 form as ``partial_<form>.json``, and ``results.json`` last; a rerun of the same
 config loads what exists and computes only the rest. The chunk size depends on
 the device count, and is part of the file name, so chunks saved under another
-device count are recomputed, never misread.
+device count are recomputed, never misread. Every file carries the config's
+hash and a checksum of its content, verified on resume
+(:class:`experiments.common.Workdir`); the run holds the workdir's lock.
+
+The config is checked before the workdir is claimed (:func:`validate`):
+``lams >= 0``, ``etas > 0``, positive sizes, finite numbers, and arrays that
+fit in memory. ``config.dtype = "float64"`` turns on ``jax_enable_x64`` for
+the run and restores the previous setting after it.
 
 Multi-host (``--distributed``): process 0 alone writes; every process runs the
 same chunks. After process 0 has claimed the workdir (which may delete an old
@@ -48,7 +55,6 @@ figures.
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 from absl import app
@@ -73,18 +79,19 @@ _FORM_CLASSES = {"designed": "Designed", "natural": "Natural"}
 _METRICS = ("rel_err", "elsa_to_ridge", "gd_to_ridge")
 
 
-def relative_error(a: Array, b: Array) -> Array:
-  """``||a - b|| / max(||b||, tiny)`` over the last axis; ``[...]`` from ``[..., d]``."""
-  tiny = jnp.finfo(b.dtype).tiny
-  return (jnp.linalg.norm(a - b, axis=-1)
-          / jnp.maximum(jnp.linalg.norm(b, axis=-1), tiny))
+# What measure_task reports: the one relative error every driver shares.
+relative_error = common.relative_error
+# Names of earlier runs' files that --overwrite deletes though no manifest
+# lists them (written before the manifest existed).
+_OWNED = tuple(f"partial_{name}{tail}" for name in _FORM_CLASSES
+               for tail in (".json", "_items*-*.npz"))
 
 
 def make_form(name: str, config: ml_collections.ConfigDict):
   """The input form ``name`` (``designed`` or ``natural``) for the config's task shape."""
   if name not in _FORM_CLASSES:
-    raise ValueError(f"config.forms: unknown form {name!r}; choose from "
-                     f"{sorted(_FORM_CLASSES)}.")
+    raise common.ConfigError(f"config.forms: unknown form {name!r}; choose "
+                             f"from {sorted(_FORM_CLASSES)}.")
   cls = getattr(forms, _FORM_CLASSES[name])
   return cls(n_train=config.n_train, d=config.d, n_query=config.n_query,
              n_out=1)
@@ -183,21 +190,48 @@ def _grid_items(config: ml_collections.ConfigDict, dtype) -> dict[str, np.ndarra
               unstable=(eta >= limit[:, None, :]).reshape(-1))
 
 
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Refuses a config that cannot run, in one line naming the field.
+
+  Raises:
+    experiments.common.ConfigError: a field outside its range, a NaN or inf,
+      an empty grid, or arrays that would not fit in memory.
+  """
+  common.check_int(config, "seed", low=0)
+  form_names = common.check_items(config, "forms",
+                                  choices=sorted(_FORM_CLASSES))
+  for field in ("n_train", "d", "n_query", "n_tasks", "depth", "chunk_size"):
+    common.check_int(config, field)
+  common.check_float(config, "noise", low=0)
+  common.check_items(config, "lams", low=0)
+  common.check_choice(config, "eta_mode", ("fraction", "absolute"))
+  common.check_items(config, "etas", low=0, low_open=True)
+  common.check_choice(config, "dtype", ("float32", "float64"))
+  common.check_fits(_bytes_needed(config, form_names),
+                    fields="n_train, d, n_query, n_tasks, depth, chunk_size "
+                           "and the grid")
+
+
+def _bytes_needed(config: ml_collections.ConfigDict, form_names) -> int:
+  """About what a run holds at once: the flat batch of inputs, and one chunk's
+  stack parameters, states and GD iterates at every depth (a few copies)."""
+  itemsize = 8 if config.dtype == "float64" else 4
+  n_items = _n_items(config)
+  chunk = min(config.chunk_size, n_items)
+  inputs = config.n_train * (config.d + 1) + config.n_query * config.d
+  shapes = [(form.m, form.n) for form in (make_form(name, config)
+                                          for name in form_names)]
+  state = max(m * n for m, n in shapes)
+  # A layer's parameters: weights and biases of a few components.
+  params = max((m + n) * n for m, n in shapes) * 6
+  per_item = (config.depth + 1) * (state + params + config.d) + config.d ** 2
+  return itemsize * (n_items * inputs + 3 * chunk * per_item)
+
+
 def _put(array: np.ndarray, sharding: NamedSharding) -> Array:
   """A global array from the same host array on every process."""
   return jax.make_array_from_callback(array.shape, sharding,
                                       lambda index: array[index])
-
-
-def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
-  """Saves ``arrays`` as one ``.npz`` file, atomically."""
-  common._atomic_write(path, lambda f: np.savez(f, **arrays))  # pylint: disable=protected-access
-
-
-def read_npz(path: str) -> dict[str, np.ndarray]:
-  """The arrays :func:`write_npz` saved in ``path``."""
-  with np.load(path) as data:
-    return {name: data[name] for name in data.files}
 
 
 def _n_items(config: ml_collections.ConfigDict) -> int:
@@ -224,15 +258,15 @@ def _chunk_file(name: str, start: int, size: int) -> str:
   return f"partial_{name}_items{start}-{start + size}.npz"
 
 
-def _finished(workdir: str, config: ml_collections.ConfigDict, size: int,
-              starts: list[int]) -> dict[str, np.ndarray]:
+def _finished(wd: common.Workdir, config: ml_collections.ConfigDict,
+              size: int, starts: list[int]) -> dict[str, np.ndarray]:
   """What earlier runs finished, as process 0 sees it, the same on every process.
 
   Returns ``results`` (a bool), ``forms [n_forms]`` and
   ``chunks [n_forms, n_chunks]`` (bool arrays): which of ``results.json``,
   ``partial_<form>.json`` and the chunk files exist.
   """
-  exists = lambda name: os.path.exists(os.path.join(workdir, name))
+  exists = wd.exists
   flags = dict(
       results=np.asarray(exists("results.json"), np.int32),
       forms=np.asarray([exists(_form_file(n)) for n in config.forms],
@@ -247,17 +281,19 @@ def _finished(workdir: str, config: ml_collections.ConfigDict, size: int,
   return {k: np.asarray(v).astype(bool) for k, v in flags.items()}
 
 
-def _read_finished(path: str, read):
-  """``read(path)`` of a file process 0 reported as finished."""
-  if not os.path.exists(path):
+def _read_finished(wd: common.Workdir, name: str, read):
+  """``read(name)`` (a verified read of ``wd``) of a file process 0 reported
+  as finished."""
+  found = read(name)
+  if found is None:
     raise FileNotFoundError(
-        f"sweep: process 0 finished {path!r} but this process cannot see it; "
-        "the workdir must be on a filesystem every process shares.")
-  return read(path)
+        f"sweep: process 0 finished {wd.path(name)!r} but this process cannot "
+        "see it; the workdir must be on a filesystem every process shares.")
+  return found
 
 
 def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
-              mesh: Mesh, progress: common.Progress, *, workdir: str,
+              mesh: Mesh, progress: common.Progress, *, wd: common.Workdir,
               chunks_done: np.ndarray, writer: bool) -> dict:
   """All chunks of one form through one compiled function; returns the records.
 
@@ -275,10 +311,10 @@ def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
   outputs = {metric: [] for metric in _METRICS}
   with jax.default_matmul_precision("highest"):
     for start, done in zip(starts, chunks_done):
-      path = os.path.join(workdir, _chunk_file(name, start, size))
+      chunk_file = _chunk_file(name, start, size)
       real = min(size, n_items - start)
       if done:
-        out = _read_finished(path, read_npz)
+        out = _read_finished(wd, chunk_file, wd.read_npz)
         progress.resumed(real)
       else:
         # Every chunk has the same shape (the last is padded with item 0), so
@@ -288,7 +324,7 @@ def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
         out = measure(*(_put(items[k][index], split) for k in inputs))
         out = {metric: np.asarray(out[metric])[:real] for metric in _METRICS}
         if writer:
-          write_npz(path, out)
+          wd.write_npz(chunk_file, out)
         progress.update(real)
       for metric in _METRICS:
         outputs[metric].append(out[metric])
@@ -346,61 +382,67 @@ def summary_table(results: dict) -> str:
   return "\n".join(lines)
 
 
-def _write_figures(results: dict, workdir: str) -> None:
-  folder = os.path.join(workdir, "figures")
+def _write_figures(results: dict, wd: common.Workdir) -> None:
   records, form_names = results["records"], results["forms"]
   for name in form_names:
-    common.save_figure(plotting.error_vs_depth(records, form=name),
-                       os.path.join(folder, f"error_vs_depth_{name}.png"))
-    common.save_figure(plotting.convergence(records, form=name),
-                       os.path.join(folder, f"convergence_{name}.png"))
-  common.save_figure(plotting.final_error_heatmap(records, forms=form_names),
-                     os.path.join(folder, "final_error_heatmap.png"))
+    wd.save_figure(plotting.error_vs_depth(records, form=name),
+                   f"figures/error_vs_depth_{name}.png")
+    wd.save_figure(plotting.convergence(records, form=name),
+                   f"figures/convergence_{name}.png")
+  wd.save_figure(plotting.final_error_heatmap(records, forms=form_names),
+                 "figures/final_error_heatmap.png")
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *,
         overwrite: bool = False) -> dict:
   """Runs (or resumes, or skips) the sweep of ``config`` into ``workdir``.
 
-  Writes ``config.json``, a ``partial_<form>_items*.npz`` file after each
-  chunk, ``partial_<form>.json`` after each form, ``figures/*.png`` and
-  finally ``results.json`` (all atomically): a rerun with the same config
-  returns the finished results, or computes only the chunks not saved yet.
-  ``results['traces']`` counts, per form, the compiles of the run that
-  finished it (0 when it only loaded saved chunks).
+  Checks the config, claims the workdir (its lock held until the run ends;
+  ``overwrite`` first deletes what an earlier sweep wrote there, of any
+  config), then writes ``config.json``, a ``partial_<form>_items*.npz`` file
+  after each chunk, ``partial_<form>.json`` after each form,
+  ``figures/*.png`` and finally ``results.json`` (all atomically): a rerun
+  with the same config returns the finished results, or computes only the
+  chunks not saved yet. ``results['traces']`` counts, per form, the compiles
+  of the run that finished it (0 when it only loaded saved chunks).
 
   Returns:
-    The results dict (what ``results.json`` holds).
+    The results dict (what ``results.json`` holds, less its ``_check``).
 
   Raises:
-    ValueError: ``workdir`` holds a different config and ``overwrite`` is off.
+    experiments.common.ConfigError: the config cannot run (nothing written).
+    experiments.common.WorkdirInUse: another run holds ``workdir``, or it
+      holds a different config and ``overwrite`` is off.
+    experiments.common.CorruptOutput: a saved file is damaged, altered or of
+      another config.
   """
-  if config.x64 and not jax.config.jax_enable_x64:
-    jax.config.update("jax_enable_x64", True)
-  writer = jax.process_index() == 0
-  if writer:
-    common.prepare_workdir(workdir, config, overwrite=overwrite)
+  validate(config)
+  with common.float_dtype_enabled(config.dtype) as dtype:
+    if jax.process_index() != 0:  # only process 0 claims and writes
+      return _run(config, common.Workdir(workdir, config), dtype, writer=False)
+    with common.claim_workdir(workdir, config, overwrite=overwrite,
+                              owned=_OWNED) as wd:
+      return _run(config, wd, dtype, writer=True)
+
+
+def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype, *,
+         writer: bool) -> dict:
   mesh = Mesh(np.array(jax.devices()), ("batch",))
   size, starts = chunk_starts(config, mesh.size)
-  finished = _finished(workdir, config, size, starts)
+  finished = _finished(wd, config, size, starts)
   if finished["results"]:
-    logging.info("%s: results of this config exist; nothing to do.", workdir)
-    done = _read_finished(os.path.join(workdir, "results.json"),
-                          common.read_json)
+    logging.info("%s: results of this config exist; nothing to do.", wd.root)
+    done = _read_finished(wd, "results.json", wd.read_json)
     print(summary_table(done))
     return done
 
   start = time.perf_counter()
-  for name in config.forms:
-    make_form(name, config)  # a bad name or shape fails before any work
-  dtype = jnp.float64 if config.x64 else jnp.float32
   items = _grid_items(config, dtype)
   n_items = len(items["lam"])
   partial = {}
   for name, done in zip(config.forms, finished["forms"]):
     if done:
-      partial[name] = _read_finished(os.path.join(workdir, _form_file(name)),
-                                     common.read_json)
+      partial[name] = _read_finished(wd, _form_file(name), wd.read_json)
   todo = [name for name in config.forms if name not in partial]
   logging.info("sweep: %d forms to run (%s), %d items each in chunks of %d, "
                "on %d %s devices", len(todo), ", ".join(todo), n_items, size,
@@ -411,12 +453,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   for name, chunks_done in zip(config.forms, finished["chunks"]):
     if name in partial:
       continue
-    partial[name] = _run_form(name, config, items, mesh, progress,
-                              workdir=workdir, chunks_done=chunks_done,
-                              writer=writer)
+    partial[name] = _run_form(name, config, items, mesh, progress, wd=wd,
+                              chunks_done=chunks_done, writer=writer)
     if writer:
-      common.write_json(os.path.join(workdir, _form_file(name)),
-                        partial[name])
+      wd.write_json(_form_file(name), partial[name])
 
   records = [r for name in config.forms for r in partial[name]["records"]]
   results = dict(
@@ -433,9 +473,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
       devices=mesh.size, backend=jax.default_backend(),
       seconds=time.perf_counter() - start, records=records)
   if writer:
-    _write_figures(results, workdir)
+    _write_figures(results, wd)
     # results.json last: its presence means the run is complete.
-    common.write_json(os.path.join(workdir, "results.json"), results)
+    wd.write_json("results.json", results)
   print(summary_table(results))
   return results
 

@@ -287,3 +287,22 @@ def test_default_dtype_is_jax_default_float():
     assert elsa.attention.float_dtype() == jnp.float32
     for p in (ElsaParams.zeros(**kw), ElsaParams.init(jax.random.key(0), **kw)):
       assert {a.dtype for a in p} == {jnp.dtype(jnp.float32)}
+
+
+def test_one_validation_policy():
+  """elsa._validate: wrong type -> TypeError, wrong value -> ValueError;
+  float_dtype lives there and stays importable from elsa.attention."""
+  from elsa import _validate  # pylint: disable=g-import-not-at-top
+  assert elsa.attention.float_dtype is _validate.float_dtype
+  assert _validate.int_at_least("f", "n", np.int64(3), low=1) == 3
+  for bad in (2.0, True, "3", None):
+    with pytest.raises(TypeError, match="f: n must be an int >= 1"):
+      _validate.int_at_least("f", "n", bad, low=1)
+  with pytest.raises(ValueError, match="f: n must be an int >= 1, got 0"):
+    _validate.int_at_least("f", "n", 0, low=1)
+  with pytest.raises(TypeError, match="f: h must have a floating dtype"):
+    _validate.floating("f", "h", jnp.zeros(2, jnp.int32))
+  with pytest.raises(ValueError, match="f: eta must be > 0, got -1"):
+    _validate.at_least("f", "eta", -1.0, low=0, strict=True)
+  # A traced value cannot be checked; it passes.
+  jax.jit(lambda v: _validate.at_least("f", "eta", v, low=0, strict=True))(-1.0)

@@ -30,7 +30,10 @@ def _positive(x):
 
 def test_results_file_matches_returned_results(quick_run):
   _, workdir, results = quick_run
-  assert common.read_json(os.path.join(workdir, "results.json")) == results
+  found = common.read_json(os.path.join(workdir, "results.json"))
+  assert found.pop("_check")["config_hash"] == common.config_hash(
+      benchmark_config.get_config("quick"))
+  assert found == results
   assert set(results) >= {"machine", "square_matmul", "primitive", "stack",
                           "sweep", "load_average_after"}
   assert results["machine"]["platform"] in ("cpu", "gpu", "tpu", "cuda", "rocm")
@@ -143,6 +146,19 @@ def test_rerun_reuses_results_and_other_config_is_refused(quick_run):
   other.reps = 3
   with pytest.raises(ValueError, match="different config"):
     benchmark.run(other, workdir)
+
+
+def test_unknown_config_argument_and_bad_fields_are_refused(tmp_path):
+  with pytest.raises(ValueError, match="unknown argument 'quik'; known: 'quick'"):
+    benchmark_config.get_config("quik")
+  for field, value in (("reps", 0), ("tokens", ()), ("max_case_s", float("nan")),
+                       ("sweep_eta_fractions", (0.5, 1.0)),
+                       ("sweep_lams", (-0.1,))):
+    config = benchmark_config.get_config("quick")
+    config[field] = value
+    with pytest.raises(common.ConfigError, match=f"config\\.{field}"):
+      benchmark.run(config, str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run")
 
 
 def test_format_tables(quick_run):

@@ -34,7 +34,7 @@ def test_notebook_runs_tiny_sweep_and_shows_figures(tmp_path, monkeypatch):
   nb = nbformat.read(NOTEBOOK, as_version=4)
   params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
   assert len(params) == 1
-  params[0].source = (f'CONFIG = "sweep_tiny"\nOVERRIDES = {{"depth": 3}}\n'
+  params[0].source = (f'CONFIG_ARG = "tiny"\nOVERRIDES = {{"depth": 3}}\n'
                       f'WORKDIR = {workdir!r}\nREPO_URL = "unused"\n')
   client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=240,
                                    resources={"metadata": {"path": REPO}})

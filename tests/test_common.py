@@ -2,47 +2,246 @@
 
 import json
 import os
+import socket
 import stat
+import subprocess
+import sys
 
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
 from experiments import common
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _config(**fields):
   return ml_collections.ConfigDict(dict(dict(depth=3, lam=0.1), **fields))
 
 
+def _write(path, text="mine"):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text)
+
+
 def test_matching_config_is_claimed_again_and_keeps_results(tmp_path):
   workdir = str(tmp_path)
-  common.prepare_workdir(workdir, _config())
-  common.write_json(os.path.join(workdir, "results.json"), {"done": 1})
-  common.prepare_workdir(workdir, _config())
-  assert common.read_json(os.path.join(workdir, "results.json")) == {"done": 1}
+  with common.claim_workdir(workdir, _config()) as wd:
+    wd.write_json("results.json", {"done": 1})
+  with common.claim_workdir(workdir, _config()) as wd:
+    assert wd.read_json("results.json") == {"done": 1}
 
 
-def test_other_config_is_refused_then_overwrite_removes_every_output(tmp_path):
+def test_overwrite_deletes_only_what_the_driver_wrote(tmp_path):
+  """Manifest names, config/results and the owned names go; the user's
+  look-alikes (results_analysis/, partial_derivatives.txt) stay."""
   workdir = str(tmp_path)
-  common.prepare_workdir(workdir, _config())
-  for name in ("results.json", "partial_designed.json", "figures/a.png",
-               "checkpoints/7/state"):
-    common.write_json(os.path.join(workdir, name), {})
-  common.write_json(os.path.join(workdir, "notes.json"), {"mine": True})
+  with common.claim_workdir(workdir, _config()) as wd:
+    wd.write_json("results.json", {})
+    wd.write_json("partial_designed.json", {})
+    wd.write_npz("partial_designed_items0-8.npz", {"a": np.zeros(3)})
+    wd.save_figure(_figure(), "figures/a.png")
+    _write(wd.path("checkpoints/7/state"))  # written by other code
+  mine = ["results_analysis/table.csv", "partial_derivatives.txt",
+          "figures/mine.png", "config.json.bak", "notes.json"]
+  for name in mine:
+    _write(os.path.join(workdir, name))
   with pytest.raises(common.WorkdirInUse, match=r"fields that differ: depth"):
-    common.prepare_workdir(workdir, _config(depth=4))
+    with common.claim_workdir(workdir, _config(depth=4)):
+      pass
   assert os.path.exists(os.path.join(workdir, "results.json"))
-  common.prepare_workdir(workdir, _config(depth=4), overwrite=True)
-  assert sorted(os.listdir(workdir)) == ["config.json", "notes.json"]
+  with common.claim_workdir(workdir, _config(depth=4), overwrite=True,
+                            owned=("checkpoints",)):
+    pass
+  left = sorted(os.path.relpath(os.path.join(folder, name), workdir)
+                for folder, _, names in os.walk(workdir) for name in names)
+  assert left == sorted(mine + ["config.json"])
   with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
     assert json.load(f)["depth"] == 4
+
+
+def test_overwrite_of_the_same_config_starts_afresh(tmp_path):
+  """One meaning of overwrite for every driver: nothing earlier is resumed."""
+  workdir = str(tmp_path)
+  with common.claim_workdir(workdir, _config()) as wd:
+    wd.write_json("partial_kappa0.json", {"done": 1})
+  with common.claim_workdir(workdir, _config(), overwrite=True) as wd:
+    assert wd.read_json("partial_kappa0.json") is None
 
 
 def test_outputs_without_a_config_are_refused(tmp_path):
   os.makedirs(tmp_path / "checkpoints")
   with pytest.raises(common.WorkdirInUse, match="no config.json"):
     common.prepare_workdir(str(tmp_path), _config())
+  # A folder of that name is nobody's until a driver declares it owned.
+  with common.claim_workdir(str(tmp_path), _config()):
+    pass
+
+
+_HOLDER = """
+import sys
+import ml_collections
+from experiments import common
+config = ml_collections.ConfigDict(dict(depth=3, lam=0.1))
+with common.claim_workdir(sys.argv[1], config):
+  print("held", flush=True)
+  sys.stdin.read()
+"""
+
+
+def test_second_run_is_refused_while_the_first_holds_the_lock(tmp_path):
+  """Two processes, one workdir: the second cannot interleave, even with
+  overwrite; once the first ends, it may claim."""
+  workdir = str(tmp_path)
+  first = subprocess.Popen([sys.executable, "-c", _HOLDER, workdir], cwd=REPO,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True)
+  try:
+    assert first.stdout.readline() == "held\n"
+    with pytest.raises(common.WorkdirInUse,
+                       match=f"in use by another run \\(pid {first.pid} on "
+                       f"host {socket.gethostname()}"):
+      with common.claim_workdir(workdir, _config(depth=4), overwrite=True):
+        pass
+    assert common.read_json(os.path.join(workdir, "config.json"))["depth"] == 3
+  finally:
+    first.communicate("", timeout=60)
+  assert first.returncode == 0
+  assert not os.path.exists(os.path.join(workdir, common.LOCK))
+  with common.claim_workdir(workdir, _config(depth=4), overwrite=True):
+    pass
+
+
+def test_stale_lock_is_taken_over_and_a_foreign_host_is_refused(tmp_path):
+  workdir = str(tmp_path)
+  gone = subprocess.Popen([sys.executable, "-c", "pass"])
+  gone.wait()
+  lock = os.path.join(workdir, common.LOCK)
+  _write(lock, json.dumps(dict(pid=gone.pid, host=socket.gethostname())))
+  with common.claim_workdir(workdir, _config()):
+    with open(lock, encoding="utf-8") as f:
+      assert json.load(f)["pid"] == os.getpid()
+  assert not os.path.exists(lock)
+  _write(lock, json.dumps(dict(pid=gone.pid, host="elsewhere")))
+  with pytest.raises(common.WorkdirInUse, match="host elsewhere.*delete the "
+                     "lock file"):
+    with common.claim_workdir(workdir, _config()):
+      pass
+  # The same process cannot hold one workdir twice either.
+  os.remove(lock)
+  with common.claim_workdir(workdir, _config()):
+    with pytest.raises(common.WorkdirInUse, match=f"pid {os.getpid()}"):
+      with common.claim_workdir(workdir, _config()):
+        pass
+
+
+def test_outputs_are_tied_to_their_config_and_content(tmp_path):
+  workdir = str(tmp_path)
+  with common.claim_workdir(workdir, _config()) as wd:
+    wd.write_json("partial.json", {"x": [1.0, float("nan")]})
+    wd.write_npz("chunk.npz", {"rel_err": np.arange(4.0)})
+    assert wd.read_json("partial.json") == {"x": [1.0, None]}
+    np.testing.assert_array_equal(wd.read_npz("chunk.npz")["rel_err"],
+                                  np.arange(4.0))
+  other = common.Workdir(workdir, _config(depth=4))
+  for read, name in ((other.read_json, "partial.json"),
+                     (other.read_npz, "chunk.npz")):
+    with pytest.raises(common.CorruptOutput, match=f"{name}.*another config"):
+      read(name)
+  wd = common.Workdir(workdir, _config())
+  path = wd.path("partial.json")
+  with open(path, encoding="utf-8") as f:
+    stored = json.load(f)
+  stored["x"][0] = 2.0
+  common.write_json(path, stored)
+  with pytest.raises(common.CorruptOutput, match="partial.json.*checksum"):
+    wd.read_json("partial.json")
+  # A file without the check (an older run, or hand-made) is not trusted.
+  np.savez(wd.path("chunk.npz"), rel_err=np.arange(4.0))
+  with pytest.raises(common.CorruptOutput, match="chunk.npz.*no config hash"):
+    wd.read_npz("chunk.npz")
+
+
+@pytest.mark.parametrize("name", ["results.json", "config.json"])
+def test_truncated_json_names_the_file_and_the_way_out(tmp_path, name):
+  workdir = str(tmp_path)
+  with common.claim_workdir(workdir, _config()) as wd:
+    wd.write_json("results.json", {"a": 1})
+  path = os.path.join(workdir, name)
+  with open(path, "r+", encoding="utf-8") as f:
+    f.truncate(5)
+  with pytest.raises(common.CorruptOutput,
+                     match=f"{name}' is not valid JSON.*--overwrite"):
+    with common.claim_workdir(workdir, _config()) as wd:
+      wd.read_json("results.json")
+  with common.claim_workdir(workdir, _config(), overwrite=True) as wd:
+    assert wd.read_json("results.json") is None
+
+
+def test_claim_removes_leftover_temporary_files(tmp_path):
+  workdir = str(tmp_path)
+  leftovers = [".tmp-k2j4x9a_results.json", "figures/.tmp-0abc9xyzheat.png"]
+  for name in leftovers + [".tmp-notes.txt"]:
+    _write(os.path.join(workdir, name))
+  with common.claim_workdir(workdir, _config()):
+    pass
+  for name in leftovers:
+    assert not os.path.exists(os.path.join(workdir, name))
+  assert os.path.exists(os.path.join(workdir, ".tmp-notes.txt"))  # not ours
+
+
+def test_a_nan_in_a_config_is_the_same_config_on_rerun(tmp_path):
+  nan = _config(tol=float("nan"), grid=(1.0, float("inf")))
+  assert common.config_hash(nan) == common.config_hash(
+      _config(tol=float("nan"), grid=[1.0, float("inf")]))
+  assert common.config_dict(nan)["tol"] == "nan"
+  with common.claim_workdir(str(tmp_path), nan) as wd:
+    wd.write_json("results.json", {"a": 1})
+  with common.claim_workdir(str(tmp_path), _config(tol=float("nan"),
+                                                   grid=(1.0, float("inf")))
+                            ) as wd:
+    assert wd.read_json("results.json") == {"a": 1}
+
+
+def test_config_checks_name_the_field_and_the_range():
+  config = _config(steps=0, tol=float("nan"), lams=(), etas=(0.1, -1.0),
+                   flag=True, mode="x")
+  cases = [
+      (lambda: common.check_int(config, "steps"),
+       r"^config\.steps must be an int >= 1, got 0\.$"),
+      (lambda: common.check_int(config, "flag"), "an int >= 1, got True"),
+      (lambda: common.check_float(config, "tol", low=0, high=1,
+                                  low_open=True),
+       r"config\.tol must be a finite number in \(0, 1\], got nan"),
+      (lambda: common.check_items(config, "lams"),
+       r"config\.lams must be a non-empty tuple, got \(\)"),
+      (lambda: common.check_items(config, "etas", low=0, low_open=True),
+       r"config\.etas\[1\] must be a finite number > 0, got -1\.0"),
+      (lambda: common.check_choice(config, "mode", ("a", "b")),
+       r"config\.mode must be one of \['a', 'b'\], got 'x'"),
+      (lambda: common.check_fits(1e18, fields="d and n_train"),
+       r"config: d and n_train need about .* GiB"),
+  ]
+  for check, message in cases:
+    with pytest.raises(common.ConfigError, match=message):
+      check()
+  assert issubclass(common.ConfigError, ValueError)
+  assert common.check_int(config, "depth") == 3
+
+
+def test_relative_error_numpy_and_jax():
+  # b = 0 with a = b: 0, not NaN (the tiny floor).
+  a, b = np.array([[0.0, 0.0], [1.0, 0.0]]), np.array([[0.0, 0.0], [2.0, 0.0]])
+  got = common.relative_error(a, b)
+  assert isinstance(got, np.ndarray) and got.dtype == np.float64
+  np.testing.assert_array_equal(got, [0.0, 0.5])
+  got = common.relative_error(jnp.asarray(a, jnp.float32),
+                              jnp.asarray(b, jnp.float32))
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got[1], 0.5)
 
 
 def test_json_is_strict_and_files_are_not_private(tmp_path):
@@ -56,3 +255,10 @@ def test_json_is_strict_and_files_are_not_private(tmp_path):
   os.umask(umask)
   assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+
+
+def _figure():
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  fig = Figure()
+  fig.add_subplot().plot([0, 1])
+  return fig

@@ -337,7 +337,7 @@ INVALID = [
     (C.product2, dict(m=4, n=4, a_cols=[0], b_rows=[2], b_cols=[3],
                       out_cols=[3], scale=np.ones(2)), "scale must be a scalar"),
     (C.product2, dict(m=0, n=4, a_cols=[0], b_rows=[2], b_cols=[3],
-                      out_cols=[3]), "m must be a positive int"),
+                      out_cols=[3]), "m must be an int >= 1"),
     (C.gram, dict(m=4, n=4, b_cols=[0, 1], c_cols=[2], out_rows=[0],
                   out_cols=[0]), "b_cols and out_rows must have the same"),
     (C.gram, dict(m=4, n=4, b_cols=[0], c_cols=[2, 3], out_rows=[0],

@@ -222,7 +222,7 @@ def test_encode_is_the_natural_enumeration():
 def test_bad_arguments_raise():
   with pytest.raises(ValueError, match="n_train"):
     Newton(n_train=0, d=2)
-  with pytest.raises(ValueError, match="d must"):
+  with pytest.raises(TypeError, match="d must be an int"):  # a type, not a value
     Newton(n_train=3, d=2.0)
   with pytest.raises(TypeError):
     Newton(3, 2)  # keyword-only, like the GD forms

@@ -5,6 +5,7 @@ import os
 
 import jax
 import matplotlib
+from matplotlib.figure import Figure
 import matplotlib.pyplot as plt
 import pytest
 
@@ -14,8 +15,11 @@ from experiments.configs import newton as newton_config
 
 
 def _read(workdir, name):
+  """A JSON output as the driver returns it: without its ``_check``."""
   with open(os.path.join(workdir, name), encoding="utf-8") as f:
-    return json.load(f)
+    found = json.load(f)
+  found.pop("_check", None)
+  return found
 
 
 def _spy(monkeypatch, *, nan_at=None):
@@ -59,7 +63,7 @@ def _spy(monkeypatch, *, nan_at=None):
 
 def _check_counts(results, config):
   rows = newton.summary_rows(results)
-  assert [r["kappa"] for r in rows] == config.kappas
+  assert [r["kappa"] for r in rows] == list(config.kappas)
   for r, raw in zip(rows, results["per_kappa"]):
     # The ELSA stack (float64) needs exactly the layers the theory predicts,
     # and log-many where GD needs kappa-many.
@@ -78,7 +82,7 @@ def test_driver_writes_results_figure_and_resumes(tmp_path, monkeypatch):
   with monkeypatch.context() as patch:
     seen = _spy(patch, nan_at=config.kappas[0])
     results = newton.run(config, workdir)
-  assert seen["kappas"] == config.kappas and seen["resumed"] == [0]
+  assert seen["kappas"] == list(config.kappas) and seen["resumed"] == [0]
   assert seen["precision"] and set(seen["precision"]) == {"highest"}
   assert len(plt.get_fignums()) == figures  # no pyplot figure left behind
   for name in ("config.json", "results.json", "figures/newton_layers.png",
@@ -99,7 +103,7 @@ def test_driver_writes_results_figure_and_resumes(tmp_path, monkeypatch):
   with monkeypatch.context() as patch:
     seen = _spy(patch)
     assert newton.run(config, workdir) == results
-  assert seen["kappas"] == config.kappas[1:] and seen["resumed"] == [1]
+  assert seen["kappas"] == list(config.kappas[1:]) and seen["resumed"] == [1]
 
   # A rerun with the same config skips; a different config is refused.
   with monkeypatch.context() as patch:
@@ -113,5 +117,36 @@ def test_driver_writes_results_figure_and_resumes(tmp_path, monkeypatch):
 
 
 def test_tiny_config_rejects_unknown_variant():
-  with pytest.raises(ValueError, match="unknown variant"):
+  with pytest.raises(ValueError, match="unknown argument 'huge'; known: 'tiny'"):
     newton_config.get_config("huge")
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("kappas", (), "a non-empty tuple"),
+    ("kappas", (10.0, 0.5), r"\[1\] must be a finite number >= 1"),
+    ("depth", 0, "an int >= 1"),
+    ("tol", float("nan"), r"a finite number in \(0, 1\)"),
+    ("noise", float("nan"), "a finite number >= 0"),
+    ("lam", -1e-3, r"in \[0, 0.001\)"),
+    ("n_train", 2, "an int >= 3"),
+])
+def test_bad_config_is_refused_before_the_workdir_is_touched(
+    tmp_path, field, value, allowed):
+  config = newton_config.get_config("tiny")
+  config[field] = value
+  with pytest.raises(common.ConfigError, match=f"config\\.{field}.*{allowed}"):
+    newton.run(config, str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_x64_is_restored_after_the_run(tmp_path, monkeypatch):
+  """The driver turns float64 on for itself only."""
+  seen = []
+  monkeypatch.setattr(newton, "_per_kappa", lambda config, wd: seen.append(
+      jax.config.jax_enable_x64) or [])
+  monkeypatch.setattr(newton.plotting, "newton_layers",
+                      lambda *args: Figure())
+  with jax.enable_x64(False):
+    newton.run(newton_config.get_config("tiny"), str(tmp_path))
+    assert not jax.config.jax_enable_x64
+  assert seen == [True]

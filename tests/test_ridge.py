@@ -1,5 +1,7 @@
 """Ridge references against plain numpy: loss, gd, solve, stability limit, tasks."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -229,3 +231,66 @@ def test_sample_tasks_default_dtype():
   with jax.enable_x64(False):
     t = ridge.sample_tasks(jax.random.key(0), **kw)
     assert {a.dtype for a in t} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("name", sorted(_ALL))
+def test_no_examples_raise_instead_of_nan(name):
+  """N = 0 divided by zero (NaN everywhere); now refused by every reference."""
+  x, y = _xy()
+  with pytest.raises(ValueError, match=r"x must hold N >= 1 examples.*"
+                     r"\(2, 0, 3\)"):
+    _ALL[name](x[:, :0], y[:, :0])
+  with pytest.raises(ValueError, match=r"N >= 1"):
+    ridge.stability_limit(x[:, :0], lam=0.1)
+
+
+@pytest.mark.parametrize("name", sorted(_ALL))
+def test_lam_of_the_wrong_shape_is_refused_the_same_way(name):
+  """lam: a scalar or one per task (broadcasting to x's batch [2]); before,
+  solve returned a silently enlarged batch and gd failed inside its scan."""
+  x, y = _xy()
+  call = {
+      "gd": lambda lam: ridge.gd(x, y, lam=lam, eta=0.1, steps=2),
+      "loss": lambda lam: ridge.loss(jnp.zeros((2, 3)), x, y, lam=lam),
+      "solve": lambda lam: ridge.solve(x, y, lam=lam),
+      "normal_equations": lambda lam: ridge.normal_equations(x, y, lam=lam),
+  }[name]
+  for bad in (jnp.full(5, 0.1), jnp.full((3, 2), 0.1), jnp.full((2, 1), 0.1)):
+    with pytest.raises(ValueError, match=f"{name}: lam must be a scalar or "
+                       r"broadcast to the batch shape \(2,\) of x.*got shape "
+                       + re.escape(str(bad.shape))):
+      call(bad)
+  # One lam per task is the same as each task alone.
+  task_1 = (lambda r: r[:, 1]) if name == "gd" else (lambda r: r[1])
+  per_task = jax.tree.leaves(call(jnp.asarray([0.1, 0.7])))[0]
+  alone = jax.tree.leaves(call(0.7))[0]
+  np.testing.assert_allclose(task_1(per_task), task_1(alone), rtol=1e-12)
+
+
+def test_gd_refuses_negative_lam_and_nonpositive_eta():
+  x, y = _xy()
+  for lam, eta, message in ((-10.0, 0.1, "gd: lam must be >= 0, got -10"),
+                            (0.1, 0.0, "gd: eta must be > 0, got 0"),
+                            (0.1, -0.5, "gd: eta must be > 0, got -0.5"),
+                            (0.1, jnp.asarray([0.1, -0.1]),
+                             r"eta must be > 0, got -0.1 in eta\(2,\)"),
+                            (jnp.asarray([0.1, -1.0]), 0.1,
+                             "lam must be >= 0, got -1"),
+                            (0.1, float("nan"), "eta must be > 0, got nan")):
+    with pytest.raises(ValueError, match=message):
+      ridge.gd(x, y, lam=lam, eta=eta, steps=2)
+
+
+def test_solve_refuses_negative_lam_and_computes_the_formula_when_traced():
+  """lam = -10 gave zeros (the eigenvalue cut-off assumed A >= 0). A concrete
+  negative lam is refused; a traced one gets (X^T X/N + lam I)^{-1} X^T y/N,
+  the stationary point of the (then unbounded) objective, as documented."""
+  x, y = _xy()
+  with pytest.raises(ValueError, match="solve: lam must be >= 0, got -10"):
+    ridge.solve(x, y, lam=-10.0)
+  w = jax.jit(lambda lam: ridge.solve(x, y, lam=lam))(-10.0)
+  for b in range(2):
+    xb, yb = np.asarray(x[b]), np.asarray(y[b])
+    want = np.linalg.solve(xb.T @ xb / 4 - 10 * np.eye(3), xb.T @ yb / 4)
+    assert rel_err(w[b], want) < 1e-12
+    assert np.linalg.norm(want) > 0

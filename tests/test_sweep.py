@@ -20,7 +20,7 @@ from elsa import forms
 from elsa import ridge
 from experiments import common
 from experiments import sweep
-from experiments.configs import sweep_tiny
+from experiments.configs import sweep as sweep_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32_BOUND = 2e-6
@@ -31,14 +31,17 @@ FIGURES = ("convergence_designed.png", "convergence_natural.png",
 
 
 def _tiny(**overrides):
-  config = sweep_tiny.get_config()
+  config = sweep_config.get_config("tiny")
   config.update(overrides)
   return config
 
 
 def _read(workdir, name):
+  """A JSON output as the driver returns it: without its ``_check``."""
   with open(os.path.join(workdir, name), encoding="utf-8") as f:
-    return json.load(f)
+    found = json.load(f)
+  found.pop("_check", None)
+  return found
 
 
 def _check_files_and_records(workdir, results, config):
@@ -98,7 +101,7 @@ class _Killed(Exception):
 def _spy(monkeypatch, *, kill_after=None):
   """Counts compiled-function calls, chunk files written and resumed items."""
   seen = dict(calls=[], written=[], resumed=[])
-  real_build, real_write = sweep.build_measure, sweep.write_npz
+  real_build, real_write = sweep.build_measure, common.Workdir.write_npz
 
   def build(form, **kwargs):
     measure = real_build(form, **kwargs)
@@ -116,9 +119,8 @@ def _spy(monkeypatch, *, kill_after=None):
       super().resumed(count)
 
   monkeypatch.setattr(sweep, "build_measure", build)
-  monkeypatch.setattr(sweep, "write_npz", lambda path, arrays: (
-      seen["written"].append(os.path.basename(path)),
-      real_write(path, arrays)))
+  monkeypatch.setattr(common.Workdir, "write_npz", lambda self, name, arrays: (
+      seen["written"].append(name), real_write(self, name, arrays)))
   monkeypatch.setattr(common, "Progress", Progress)
   return seen
 
@@ -163,12 +165,66 @@ def test_tiny_float32_run(tmp_path, monkeypatch):
   _check_rerun_skips_and_other_config_is_refused(workdir, results, monkeypatch)
   _check_run_killed_mid_form_loses_no_finished_chunk(workdir, results,
                                                      monkeypatch)
-  # --overwrite hands a used workdir to another config, dropping old partials.
+  # --overwrite hands a used workdir to another config, dropping old partials
+  # and only what the sweep wrote: the user's own files stay.
+  mine = ("results_analysis/table.csv", "partial_derivatives.txt",
+          "figures/my_plot.png")
+  for name in mine:
+    os.makedirs(os.path.dirname(os.path.join(workdir, name)), exist_ok=True)
+    with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
+      f.write("mine")
   other = sweep.run(_tiny(depth=2, forms=("designed",)), workdir,
                     overwrite=True)
   assert {r["depth"] for r in other["records"]} == {1, 2}
   assert not [name for name in os.listdir(workdir)
               if name.startswith("partial_natural")]
+  for name in mine:
+    with open(os.path.join(workdir, name), encoding="utf-8") as f:
+      assert f.read() == "mine"
+  assert "error_vs_depth_natural.png" not in os.listdir(
+      os.path.join(workdir, "figures"))
+
+
+def test_tiny_run_refuses_what_it_cannot_trust(tmp_path):
+  """A second run is locked out; altered or truncated chunks are refused by
+  name; --overwrite clears them and leftover temporary files."""
+  workdir, config = str(tmp_path), _tiny(forms=("designed",), depth=2)
+  first = sweep.run(config, workdir)
+  chunk = os.path.join(workdir, "partial_designed_items0-8.npz")
+  assert os.path.exists(chunk)
+  # While a run holds the workdir, another (another config, --overwrite) is
+  # refused and changes nothing: no interleaved config.json and results.
+  with common.claim_workdir(workdir, config):
+    with pytest.raises(common.WorkdirInUse, match="in use by another run"):
+      sweep.run(_tiny(forms=("designed",), depth=2, seed=1), workdir,
+                overwrite=True)
+  assert _read(workdir, "config.json")["seed"] == 0
+  assert _read(workdir, "results.json")["records"] == json.loads(
+      json.dumps(first["records"]))
+  # Altered numbers in a valid chunk file are caught on resume.
+  os.remove(os.path.join(workdir, "results.json"))
+  os.remove(os.path.join(workdir, "partial_designed.json"))
+  with np.load(chunk) as data:
+    arrays = {k: data[k] for k in data.files}
+  arrays["rel_err"] = arrays["rel_err"] * 0.5
+  np.savez(chunk, **arrays)
+  with pytest.raises(common.CorruptOutput,
+                     match="partial_designed_items0-8.npz.*checksum.*--overwrite"):
+    sweep.run(config, workdir)
+  # So is a truncated one.
+  with open(chunk, "rb") as f:
+    head = f.read(100)
+  with open(chunk, "wb") as f:
+    f.write(head)
+  with pytest.raises(common.CorruptOutput, match="items0-8.npz.*not a readable"):
+    sweep.run(config, workdir)
+  leftover = os.path.join(workdir, ".tmp-abcd1234results.json")
+  with open(leftover, "w", encoding="utf-8") as f:
+    f.write("{")
+  again = sweep.run(config, workdir, overwrite=True)
+  assert again["records"] == first["records"]
+  assert not os.path.exists(leftover)
+  assert not os.path.exists(os.path.join(workdir, common.LOCK))
 
 
 def test_measure_task_detects_a_wrong_stack():
@@ -198,7 +254,7 @@ def test_cli_float64_sharded_on_four_devices_equals_one_device(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu")
   cmd = [sys.executable, "-m", "experiments.sweep",
-         "--config=experiments/configs/sweep_tiny.py", "--config.x64=True",
+         "--config=experiments/configs/sweep.py:tiny", "--config.dtype=float64",
          "--config.depth=4", "--config.chunk_size=6", f"--workdir={workdir}"]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=240, check=False)
@@ -219,7 +275,7 @@ def test_cli_float64_sharded_on_four_devices_equals_one_device(tmp_path):
   assert len(jax.devices()) == 1
   for name in ("results.json", "partial_designed.json", "partial_natural.json"):
     os.remove(os.path.join(workdir, name))
-  single = sweep.run(_tiny(x64=True, depth=4, chunk_size=6), workdir)
+  single = sweep.run(_tiny(dtype="float64", depth=4, chunk_size=6), workdir)
   assert single["devices"] == 1
   assert single["traces"] == {"designed": 1, "natural": 1}
   chunk_files = sorted(n for n in os.listdir(workdir) if n.endswith(".npz"))
@@ -250,7 +306,7 @@ def test_configs_name_their_command():
   folder = os.path.join(REPO, "experiments", "configs")
   names = sorted(f[:-3] for f in os.listdir(folder)
                  if f.endswith(".py") and f != "__init__.py")
-  assert {"sweep", "sweep_tiny", "newton"} <= set(names)
+  assert {"sweep", "newton", "benchmark"} <= set(names)
   for name in names:
     module = importlib.import_module(f"experiments.configs.{name}")
     first = (module.__doc__ or "").strip().splitlines()[0]
@@ -295,6 +351,54 @@ def test_other_processes_take_process_0s_word_on_what_is_done(tmp_path,
   assert sorted(os.listdir(workdir)) == before  # only process 0 writes
 
 
-def test_bad_eta_mode_is_refused(tmp_path):
-  with pytest.raises(ValueError, match="eta_mode"):
-    sweep.run(_tiny(eta_mode="relative"), str(tmp_path))
+@pytest.mark.parametrize("field, value, allowed", [
+    ("eta_mode", "relative", r"one of \['fraction', 'absolute'\]"),
+    ("depth", 0, "an int >= 1"),
+    ("lams", (), "a non-empty tuple"),
+    ("etas", (), "a non-empty tuple"),
+    ("forms", ("designed", "spiral"), r"\[1\] must be one of"),
+    ("n_tasks", 0, "an int >= 1"),
+    ("chunk_size", 0, "an int >= 1"),
+    ("noise", float("nan"), "a finite number >= 0"),
+    ("lams", (0.1, -10.0), r"\[1\] must be a finite number >= 0"),
+    ("etas", (0.5, -0.5), r"\[1\] must be a finite number > 0"),
+    ("etas", (float("inf"),), "a finite number > 0"),
+    ("dtype", "float16", "one of"),
+])
+def test_bad_config_is_refused_before_the_workdir_is_touched(
+    tmp_path, field, value, allowed):
+  workdir = str(tmp_path / "run")
+  with pytest.raises(common.ConfigError, match=f"config\\.{field}.*{allowed}"):
+    sweep.run(_tiny(**{field: value}), workdir)
+  assert not os.path.exists(workdir)
+
+
+def test_sizes_that_cannot_fit_are_refused_in_one_line(tmp_path):
+  with pytest.raises(common.ConfigError, match=r"GiB.*make them smaller") as e:
+    sweep.run(_tiny(d=100_000, n_train=100_000), str(tmp_path / "run"))
+  assert "\n" not in str(e.value)
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_config_variants_and_list_overrides_from_the_command_line():
+  """``sweep.py:tiny`` is get_config("tiny"); tuples are overridable; unknown
+  variants are refused naming the known ones."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  for driver, variant, field, value in (
+      ("sweep", "tiny", "lams", (0.0, 0.5)),
+      ("newton", "tiny", "kappas", (10.0, 100.0)),
+      ("benchmark", "quick", "tokens", (64, 128))):
+    argv = ["prog", f"--config={common.config_path(driver)}:{variant}",
+            f"--config.{field}={value}"]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=values,
+                                    sys_argv=argv)
+    values(argv)
+    module = importlib.import_module(f"experiments.configs.{driver}")
+    expected = module.get_config(variant)
+    expected[field] = value
+    assert common.config_dict(values.config) == common.config_dict(expected)
+    with pytest.raises(ValueError, match=f"unknown argument 'quik'.*"
+                       f"'{variant}'"):
+      module.get_config("quik")

@@ -107,9 +107,9 @@ class GDForm(TokenForm):
         float (float64 under ``jax_enable_x64``).
 
     Raises:
-      ValueError: ``depth`` is not an int >= 1, ``lam`` is not a scalar, or
-        ``eta`` is neither a scalar nor ``[depth]``.
-      TypeError: ``dtype`` is not floating.
+      ValueError: ``depth < 1``, ``lam`` is not a scalar, or ``eta`` is
+        neither a scalar nor ``[depth]``.
+      TypeError: ``depth`` is not an int, or ``dtype`` is not floating.
     """
     lam, etas = self._schedule(lam=lam, eta=eta, depth=depth, dtype=dtype)
     return self._jit("_gd_stack", lam, etas)

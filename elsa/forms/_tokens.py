@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from elsa import constructions
-from elsa.attention import Array, ElsaParams, float_dtype
+from elsa import _validate
+from elsa.attention import Array, ElsaParams
+from elsa._validate import float_dtype
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -49,10 +51,10 @@ class TokenForm:
 
   def __init__(self, *, n_train: int, d: int, n_query: int = 1,
                n_out: int = 1):
-    for arg, value, low in (("n_train", n_train, 1), ("d", d, 1),
-                            ("n_query", n_query, 0), ("n_out", n_out, 1)):
-      self._check_int(type(self).__name__, arg, value, low=low)
-    self.n_train, self.d, self.n_query, self.n_out = n_train, d, n_query, n_out
+    self.n_train, self.d, self.n_query, self.n_out = (
+        self._check_int(type(self).__name__, arg, value, low=low)
+        for arg, value, low in (("n_train", n_train, 1), ("d", d, 1),
+                                ("n_query", n_query, 0), ("n_out", n_out, 1)))
 
   @property
   def m(self) -> int:
@@ -142,10 +144,8 @@ class TokenForm:
 
   @staticmethod
   def _check_int(fn: str, arg: str, value, *, low: int) -> int:
-    """``value`` if it is an int (not a bool) ``>= low``, else ValueError."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-      raise ValueError(f"{fn}: {arg} must be an int >= {low}, got {value!r}.")
-    return value
+    """``value`` as an int ``>= low``: TypeError if not an int, ValueError if below."""
+    return _validate.int_at_least(fn, arg, value, low=low)
 
   def _float_dtype(self, method: str, dtype, *values):
     """``dtype``; if ``None``, the result type of those ``values`` that are

@@ -325,9 +325,9 @@ class Newton(TokenForm):
         float (float64 under ``jax_enable_x64``).
 
     Raises:
-      ValueError: ``depth`` is not an int >= 0, ``lam``/``alpha`` is not a
-        scalar, or a concrete ``alpha <= 0``.
-      TypeError: ``dtype`` is not floating.
+      ValueError: ``depth < 0``, ``lam``/``alpha`` is not a scalar, or a
+        concrete ``alpha <= 0``.
+      TypeError: ``depth`` is not an int, or ``dtype`` is not floating.
     """
     self._check_int(self._name("newton_params"), "depth", depth, low=0)
     lam, alpha = self._lam_alpha("newton_params", lam=lam, alpha=alpha,

@@ -7,17 +7,21 @@ Speed of the ELSA primitive, of deep stacks and of the sweep's own kernel
 seconds (what tests/test_benchmark_driver.py runs). Override any field, e.g.
 ``--config.tokens='(1024, 4096)' --config.reps=11``. The default takes about a
 minute on 2 quiet CPU cores (2 under load); the same command runs unchanged on a GPU or TPU.
+``--config.dtype=float64`` turns on ``jax_enable_x64`` for the run and
+restores the previous setting after it.
 """
 
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The full benchmark; ``arg == 'quick'`` gives tiny sizes and few repetitions."""
+  arg = common.variant("benchmark", arg, ("quick",))
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.dtype = "float32"
-  config.quick = arg == "quick"
+  config.dtype = "float32"  # or "float64"
   # Timing: `warmup` untimed calls, then the median of `reps` timed calls,
   # fewer (but at least `min_reps`) once one case has run `max_case_s`.
   config.warmup = 2
@@ -61,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.sweep_eta_fractions = (0.5, 0.9)
   config.sweep_batches = (1, 16, 256)  # tasks per grid point
 
-  if config.quick:
+  if arg == "quick":
     config.warmup = 0
     config.reps = 1
     config.min_reps = 1
