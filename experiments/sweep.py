@@ -102,10 +102,17 @@ def measure_task(form, x: Array, y: Array, x_query: Array, lam: Array,
 
   Returns:
     ``rel_err``, ``elsa_to_ridge``, ``gd_to_ridge``: each ``[L + 1]``.
+
+  The stack is ``form.gd_basis`` with this item's ``form.gd_coefficients``
+  (the same layers as ``form.gd_params``): the basis does not depend on
+  ``lam`` or ``eta``, so under ``vmap`` every item shares it and the
+  projections run as one matmul over all items, where a parameter stack per
+  item used to be built (BUILD_NOTES, "The sweep kernel").
   """
-  params = form.gd_params(lam=lam, eta=eta, depth=depth)
-  states = elsa.elsa_stack(params, form.encode(x, y, x_query=x_query),
-                           return_all=True)
+  states = elsa.elsa_stack(
+      form.gd_basis(depth=depth, dtype=x.dtype),
+      form.encode(x, y, x_query=x_query), return_all=True,
+      coeffs=form.gd_coefficients(lam=lam, eta=eta, depth=depth))
   w_gd = ridge.gd(x, y, lam=lam, eta=eta, steps=depth).reshape(depth + 1, -1)
   # decode_w may keep a trailing output axis of size n_out = 1.
   w_elsa = form.decode_w(states).reshape(w_gd.shape)
