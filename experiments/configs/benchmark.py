@@ -6,7 +6,7 @@ Speed of the ELSA primitive, of deep stacks and of the sweep's own kernel
 ``--config=experiments/configs/benchmark.py:quick`` shrinks every part to
 seconds (what tests/test_benchmark_driver.py runs). Override any field, e.g.
 ``--config.tokens='(1024, 4096)' --config.reps=11``. The default takes about a
-minute on 2 quiet CPU cores (2 under load); the same command runs unchanged on a GPU or TPU.
+few minutes on 2 quiet CPU cores (float32 and float64); the same command runs unchanged on a GPU or TPU.
 """
 
 import ml_collections
@@ -16,10 +16,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The full benchmark; ``arg == 'quick'`` gives tiny sizes and few repetitions."""
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.dtype = "float32"
+  # Parts 1 and 3 run in each dtype; part 2 (compile time) in the first.
+  # float64 turns on jax_enable_x64 for the process.
+  config.dtypes = ("float32", "float64")
   config.quick = arg == "quick"
-  # Timing: `warmup` untimed calls, then the median of `reps` timed calls,
-  # fewer (but at least `min_reps`) once one case has run `max_case_s`.
+  # Timing: `warmup` untimed rounds, then `reps` timed rounds, fewer (but at
+  # least `min_reps`) once one case has run `max_case_s`. A round calls each
+  # function of a case once, in turn: ratios are medians of per-round ratios.
   config.warmup = 2
   config.reps = 7
   config.min_reps = 3
@@ -49,12 +52,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.compile_reps = 3
 
   # Part 3, the sweep kernel (experiments.sweep.build_measure) on the sweep's
-  # flat (lambda, eta, task) batch, against elsa.ridge.gd on the same items.
-  # Task shape and depth are the default sweep's (configs/sweep.py).
+  # flat (lambda, eta, task) batch (experiments.sweep.grid_items), against
+  # elsa.ridge.gd on the same items and a square matmul of
+  # square_matmul_size. Task shape and depth are the default sweep's
+  # (configs/sweep.py).
   config.sweep_form = "designed"
   config.sweep_n_train = 20
   config.sweep_d = 5
   config.sweep_n_query = 4
+  config.sweep_noise = 0.1
   config.sweep_depth = 50
   config.sweep_lams = (0.0, 0.1)
   # Step sizes as fractions of each task's stability limit (all < 1: stable).
