@@ -212,21 +212,45 @@ def lsa(p: ElsaParams, h: Array, *, precision=None) -> Array:
   return _attend(mm(h, p.w3), mm(h, p.w1), mm(h, p.w2), precision)
 
 
-def _layer(p: ElsaParams, h: Array, precision) -> Array:
-  """``sum_c elsa(p_c, h)`` as ``h (sum_c W3_c S_c) + sum_c B3_c S_c``, ``S_c = K_c^T V_c``.
+# Per-item K^T V at most this many multiply-adds (m k v) is a fused multiply
+# and sum: on CPU a batch of tiny dots costs more per dot than its arithmetic
+# (BUILD_NOTES, "The sweep kernel").
+_SMALL_CONTRACTION = 2 ** 15
+
+
+def _layer(p: ElsaParams, h: Array, precision, coeffs=None) -> Array:
+  """``sum_c elsa(p_c, h) diag(a_c)`` as ``h (sum_c W3_c S_c) + sum_c B3_c S_c``,
+  ``S_c = K_c^T V_c diag(a_c)``; ``a_c = 1`` when ``coeffs`` is ``None``.
 
   Summing the ``[n, v]`` and ``[m, v]`` pieces over components first leaves
   one ``[m, n] @ [n, v]`` product per layer instead of one per component.
+  ``coeffs``: ``None`` or ``[*batch, C, v]`` (or ``[*batch, C, 1]``) with
+  ``batch`` the batch axes of ``h``; it scales the smallest per-item piece,
+  ``S_c: [k, v]``.
+
+  Two layouts of the same sums: small items (``m k v`` up to
+  ``_SMALL_CONTRACTION``) keep tokens before components, ``[..., m, C, k]``,
+  and contract tokens by a fused multiply and sum; large ones put components
+  first, ``[C, ..., m, k]``, so that ``K^T V`` is one dot per component.
   """
   ein = functools.partial(jnp.einsum, precision=precision)
-  # Biases [C, m, .] line up with the batch axes of h as [C, 1.., m, .].
-  per_component = lambda b: b.reshape(b.shape[:1] + (1,) * (jnp.ndim(h) - 2)
-                                      + b.shape[1:])
-  k = ein("...mn,cnk->c...mk", h, p.w1) + per_component(p.b1)
-  v = ein("...mn,cnv->c...mv", h, p.w2) + per_component(p.b2)
-  s = ein("c...mk,c...mv->c...kv", k, v)
-  return (ein("...mn,...nv->...mv", h, ein("cnk,c...kv->...nv", p.w3, s))
-          + ein("cmk,c...kv->...mv", p.b3, s))
+  m, k, v = jnp.shape(h)[-2], p.w1.shape[-1], p.w2.shape[-1]
+  if m * k * v <= _SMALL_CONTRACTION:
+    # [C, m, .] -> [m, C, .] lines up with [..., m, C, .].
+    keys = ein("...mn,cnk->...mck", h, p.w1) + jnp.moveaxis(p.b1, 0, 1)
+    values = ein("...mn,cnv->...mcv", h, p.w2) + jnp.moveaxis(p.b2, 0, 1)
+    s = jnp.sum(keys[..., :, None] * values[..., None, :], axis=-4)
+  else:
+    # Biases [C, m, .] line up with [C, ..., m, .] as [C, 1.., m, .].
+    per_component = lambda b: b.reshape(b.shape[:1] + (1,) * (jnp.ndim(h) - 2)
+                                        + b.shape[1:])
+    keys = ein("...mn,cnk->c...mk", h, p.w1) + per_component(p.b1)
+    values = ein("...mn,cnv->c...mv", h, p.w2) + per_component(p.b2)
+    s = jnp.moveaxis(ein("c...mk,c...mv->c...kv", keys, values), 0, -3)
+  if coeffs is not None:
+    s = s * coeffs[..., None, :]  # [..., C, k, v] times [..., C, 1, v]
+  return (ein("...mn,...nv->...mv", h, ein("cnk,...ckv->...nv", p.w3, s))
+          + ein("cmk,...ckv->...mv", p.b3, s))
 
 
 def _check_square(p: ElsaParams, h: Array, fn: str) -> None:
@@ -237,8 +261,50 @@ def _check_square(p: ElsaParams, h: Array, fn: str) -> None:
         f"{jnp.shape(p.w2)}.")
 
 
-def elsa_layer(p: ElsaParams, h: Array, *, precision=None) -> Array:
-  r"""One ELSA layer: the sum of ``C`` components, :math:`\sum_c \mathrm{elsa}(p_c, h)`.
+def _coefficients(coeffs, p: ElsaParams, h: Array, *, lead: tuple[str, ...],
+                  fn: str) -> tuple[Array, Array | None]:
+  """Checks ``coeffs [..., *lead, v or 1]`` against ``p`` and ``h``; broadcasts both.
+
+  Returns ``h`` as ``[*batch, m, n]`` and ``coeffs`` as ``[*lead[:-1],
+  *batch, C, v or 1]`` (the layer axis first, for ``lax.scan``), ``batch``
+  the broadcast of the batch axes of ``h`` and of ``coeffs``; ``coeffs``
+  unchanged when ``None``.
+  """
+  if coeffs is None:
+    return h, None
+  want = p.w1.shape[:len(lead)]
+  v = p.w2.shape[-1]
+  names = ", ".join(f"{axis}={size}" for axis, size in zip(lead, want))
+  if not hasattr(coeffs, "dtype"):  # Python numbers take the dtype of h.
+    coeffs = jnp.asarray(coeffs, jnp.result_type(h))
+  if jnp.result_type(coeffs) != jnp.result_type(h):
+    raise TypeError(f"{fn}: coeffs has dtype {jnp.result_type(coeffs)} but h "
+                    f"has dtype {jnp.result_type(h)}; cast one of them "
+                    "explicitly.")
+  shape, tail = jnp.shape(coeffs), len(lead) + 1
+  if (len(shape) < tail or shape[len(shape) - tail:-1] != want
+      or shape[-1] not in (1, v)):
+    raise ValueError(
+        f"{fn}: coeffs must have shape [..., {', '.join(lead)}, v] = [..., "
+        f"{names}, {v}] (per output column) or [..., {names}, 1] (one scalar "
+        f"per component), the leading axes of p, got shape {shape}.")
+  try:
+    batch = jnp.broadcast_shapes(jnp.shape(h)[:-2], shape[:len(shape) - tail])
+  except ValueError:
+    raise ValueError(f"{fn}: the batch axes of coeffs {shape} (all but the "
+                     f"last {tail}) must broadcast with those of h "
+                     f"{jnp.shape(h)} (all but the last 2).") from None
+  h = jnp.broadcast_to(h, (*batch, *jnp.shape(h)[-2:]))
+  coeffs = jnp.broadcast_to(coeffs, (*batch, *want, shape[-1]))
+  # [*batch, (L,) C, v] -> [(L,) *batch, C, v]
+  layer_axes = len(lead) - 1
+  return h, jnp.moveaxis(coeffs, tuple(range(len(batch), len(batch) + layer_axes)),
+                         tuple(range(layer_axes)))
+
+
+def elsa_layer(p: ElsaParams, h: Array, *, coeffs=None, precision=None
+               ) -> Array:
+  r"""One ELSA layer: the sum of ``C`` components, :math:`\sum_c \mathrm{elsa}(p_c, h)\, \mathrm{diag}(a_c)`.
 
   There is no implicit residual: a skip connection is itself a component
   (see :func:`elsa.constructions.identity`).
@@ -246,38 +312,66 @@ def elsa_layer(p: ElsaParams, h: Array, *, precision=None) -> Array:
   Args:
     p: leaves with a leading component axis ``[C, ...]``, and ``v == n``.
     h: ``[..., m, n]``.
+    coeffs: ``None`` (every ``a_c = 1``), or per-item coefficients in the
+      dtype of ``h``: ``[..., C, v]`` scales output column ``j`` of component
+      ``c`` by ``a[..., c, j]``, ``[..., C, 1]`` the whole component. The
+      leading axes broadcast with those of ``h``. They let one shared ``p``
+      serve items that differ only in runtime scalars (a step size, a ridge
+      strength): the projections run once over all items as one matmul, and
+      ``a_c`` scales ``S_c = K_c^\top V_c``, which is exact
+      (:math:`Q K^\top V \mathrm{diag}(a) = Q (K^\top V \mathrm{diag}(a))`).
     precision: passed to every matmul.
 
   Returns:
-    ``[..., m, n]``.
+    ``[..., m, n]``, the leading axes broadcast from ``h`` and ``coeffs``.
+
+  Raises:
+    ValueError: a shape does not match (``coeffs`` must end in ``C, v`` or
+      ``C, 1``; its leading axes must broadcast with those of ``h``).
+    TypeError: a dtype is not floating or differs from that of ``h``.
   """
   _check(p, h, lead=("C",), fn="elsa_layer")
   _check_square(p, h, "elsa_layer")
-  return _layer(p, h, precision)
+  h, coeffs = _coefficients(coeffs, p, h, lead=("C",), fn="elsa_layer")
+  return _layer(p, h, precision, coeffs)
 
 
 def elsa_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
-               precision=None) -> Array:
+               coeffs=None, precision=None) -> Array:
   """``L`` ELSA layers applied in order by ``lax.scan`` (compile time flat in ``L``).
 
   Args:
     p: leaves with leading axes ``[L, C, ...]`` and ``v == n``.
     h: ``[..., m, n]``, the state before the first layer.
     return_all: if true, return every state ``h_0 = h, h_1, ..., h_L``.
+    coeffs: ``None`` or ``[..., L, C, v]`` (or ``[..., L, C, 1]``): layer
+      ``t`` is ``elsa_layer(p[t], h, coeffs=coeffs[..., t, :, :])`` (see
+      :func:`elsa_layer`). With ``p`` a fixed basis of components and the
+      runtime scalars in ``coeffs`` (e.g.
+      :meth:`elsa.forms.GDForm.gd_basis` and ``gd_coefficients``), a batch
+      of items with different scalars shares one ``p``.
     precision: passed to every matmul.
 
   Returns:
     ``[..., m, n]``, the state after layer ``L``; or ``[L + 1, ..., m, n]``
-    with ``return_all``.
+    with ``return_all``. The leading axes broadcast from ``h`` and
+    ``coeffs``.
+
+  Raises:
+    ValueError: a shape does not match (``coeffs`` must end in ``L, C, v``
+      or ``L, C, 1``; its leading axes must broadcast with those of ``h``).
+    TypeError: a dtype is not floating or differs from that of ``h``.
   """
   _check(p, h, lead=("L", "C"), fn="elsa_stack")
   _check_square(p, h, "elsa_stack")
+  h, coeffs = _coefficients(coeffs, p, h, lead=("L", "C"), fn="elsa_stack")
 
-  def step(state, layer_params):
-    new = _layer(layer_params, state, precision)
+  def step(state, layer):
+    layer_params, layer_coeffs = layer
+    new = _layer(layer_params, state, precision, layer_coeffs)
     return new, (new if return_all else None)
 
-  last, states = jax.lax.scan(step, h, p)
+  last, states = jax.lax.scan(step, h, (p, coeffs))
   if not return_all:
     return last
   return jnp.concatenate([h[None], states], axis=0)

@@ -6,9 +6,9 @@ Three parts, each a list of rows in ``results.json`` and a printed table:
 
 1. ``primitive``: ``elsa(p, h)`` under ``jit`` for ``h [m, n]``, ``k = v = n``,
    against (a) a plain ``jnp.matmul`` ``[m, n] @ [n, F]`` with the same FLOP
-   count, measured in the same run (the machine's own rate for this shape of
-   work), and (b) the quadratic order ``(Q K^T) V`` of standard attention
-   code. The FLOP count of one ELSA forward is
+   count (the machine's own rate for this shape of work), and (b) the
+   quadratic order ``(Q K^T) V`` of standard attention code. The FLOP count
+   of one ELSA forward is
 
        flops(m, n, k, v) = 2 m n (2k + v)      projections h W1, h W2, h W3
                          + 2 m k v             K^T V
@@ -21,18 +21,25 @@ Three parts, each a list of rows in ``results.json`` and a printed table:
 2. ``stack``: ``elsa_stack`` compile (lower + XLA compile) and run time at
    several depths; ``lax.scan`` keeps compile time flat in depth.
 3. ``sweep``: the sweep's own kernel, ``experiments.sweep.build_measure``
-   (a depth-``L`` GD stack of an input form run with ``return_all``, every
-   state decoded and compared with GD iterate ``t`` and with the ridge
-   solution), on a flat (lambda, eta, task) batch laid out as the sweep's
-   (``experiments.sweep._grid_items``: step sizes are fractions of each
-   task's stability limit), under
+   (a depth-``L`` GD stack of an input form, every state decoded and compared
+   with GD iterate ``t`` and with the ridge solution), on the sweep's own
+   flat (lambda, eta, task) batch (``experiments.sweep.grid_items``; step
+   sizes are fractions of each task's stability limit), under
    ``jax.default_matmul_precision("highest")`` as the sweep runs it. It is
    timed against direct GD (``elsa.ridge.gd``, all ``L + 1`` iterates) under
-   the same ``vmap`` and shardings on the same items, at several task batches,
-   in items x layers per second (an item is one (lambda, eta, task)). The row's ``max_rel_err`` is the kernel's
-   own ELSA-vs-GD error: the timed work is the real computation.
+   the same ``vmap`` and shardings on the same items, and against a square
+   matmul (the machine's rate), at several task batches, in items x layers
+   per second (an item is one (lambda, eta, task)) and as a fraction of the
+   matmul's rate on the FLOPs of its ELSA layers (:func:`layer_flops`). The
+   row's ``max_rel_err`` is the kernel's own ELSA-vs-GD error: the timed work
+   is the real computation.
 
-Times are medians of several calls after warm-up (if any), each call ended by
+Parts 1 and 3 run in every dtype of ``config.dtypes`` (float32, float64).
+Every ratio ("fraction of X", "speedup over Y", "X / Y time") is the median of
+per-round ratios, both sides timed in the same round (:func:`time_rounds`),
+reported with its spread (min and max over the rounds): on a shared machine a
+ratio of two separately timed medians moves with whatever else runs. Times
+are medians of the rounds after warm-up, each call ended by
 ``block_until_ready``. The platform, device and CPU load are recorded.
 """
 
@@ -96,21 +103,44 @@ def random_params(rng: np.random.Generator, *, m: int, n: int, k: int,
                            for leaf in shapes))
 
 
-def time_call(fn: Callable[[], Any], *, config: ml_collections.ConfigDict
-              ) -> dict[str, float]:
-  """Median, min and count of timed calls of ``fn`` (after warm-up)."""
+def time_rounds(fns: dict[str, Callable[[], Any]], *,
+                config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+  """Seconds per call of each of ``fns``, called in turn, once per round.
+
+  After ``config.warmup`` untimed rounds, ``config.reps`` rounds run (fewer,
+  but at least ``config.min_reps``, once the rounds have taken
+  ``config.max_case_s``). Every call ends with ``block_until_ready``. The
+  two sides of every ratio are timed in the same round, so a busy moment of
+  a shared machine slows both (:func:`per_round`).
+  """
   for _ in range(config.warmup):
-    jax.block_until_ready(fn())
-  times, spent = [], 0.0
-  while len(times) < config.reps:
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-    spent += times[-1]
-    if spent > config.max_case_s and len(times) >= config.min_reps:
+    for fn in fns.values():
+      jax.block_until_ready(fn())
+  times = {name: [] for name in fns}
+  spent, rounds = 0.0, 0
+  while rounds < config.reps:
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+      spent += times[name][-1]
+    rounds += 1
+    if spent > config.max_case_s and rounds >= config.min_reps:
       break
-  return dict(median_s=float(np.median(times)), min_s=float(np.min(times)),
-              reps=len(times))
+  return {name: np.asarray(t) for name, t in times.items()}
+
+
+def timing(seconds: np.ndarray) -> dict[str, float]:
+  """Median, min and count of one function's per-round times."""
+  return dict(median_s=float(np.median(seconds)), min_s=float(np.min(seconds)),
+              reps=len(seconds))
+
+
+def per_round(ratios: np.ndarray) -> dict[str, float]:
+  """A ratio of two functions timed in the same rounds: the median of the
+  per-round ratios and their spread (min, max)."""
+  return dict(median=float(np.median(ratios)), min=float(np.min(ratios)),
+              max=float(np.max(ratios)), rounds=len(ratios))
 
 
 def allocated_bytes(compiled) -> int | None:
@@ -146,43 +176,44 @@ def machine() -> dict[str, Any]:
               load_average=list(os.getloadavg()))
 
 
-def square_matmul(config: ml_collections.ConfigDict) -> dict[str, float]:
-  """GFLOP/s of a square ``[s, s] @ [s, s]`` matmul, for context.
+def square_matmul(size: int, dtype, config: ml_collections.ConfigDict
+                  ) -> tuple[Callable[[], Any], int]:
+  """A compiled square ``[size, size] @ [size, size]`` call and its FLOPs."""
+  a = normal(np.random.default_rng(config.seed), (size, size), dtype)
+  matmul = jax.jit(jnp.matmul).lower(a, a).compile()
+  return (lambda: matmul(a, a)), 2 * size ** 3
+
+
+def square_matmul_rate(dtype, config: ml_collections.ConfigDict
+                       ) -> dict[str, Any]:
+  """GFLOP/s of the square matmul of ``config.square_matmul_size``, for context.
 
   On the 2-core development CPU XLA runs this shape below the rate of the
   narrow ``[m, n] @ [n, F]`` matmuls, so it is not a ceiling there.
   """
-  s, dtype = config.square_matmul_size, jnp.dtype(config.dtype)
-  a = normal(np.random.default_rng(config.seed), (s, s), dtype)
-  matmul = jax.jit(jnp.matmul).lower(a, a).compile()
-  timing = time_call(lambda: matmul(a, a), config=config)
-  return dict(size=s, gflops=2 * s ** 3 / timing["median_s"] / 1e9, **timing)
+  call, flops = square_matmul(config.square_matmul_size, dtype, config)
+  seconds = time_rounds(dict(matmul=call), config=config)["matmul"]
+  return dict(size=config.square_matmul_size, dtype=jnp.dtype(dtype).name,
+              gflops=flops / np.median(seconds) / 1e9, **timing(seconds))
 
 
-def primitive_row(m: int, n: int, config: ml_collections.ConfigDict
+def primitive_row(m: int, n: int, dtype, config: ml_collections.ConfigDict
                   ) -> dict[str, Any]:
-  """ELSA, the same-FLOP matmul and the quadratic order at one ``(m, n)``."""
+  """ELSA, the same-FLOP matmul and the quadratic order at one ``(m, n)``,
+  timed in the same rounds."""
   k = v = n
-  dtype = jnp.dtype(config.dtype)
+  dtype = jnp.dtype(dtype)
   rng = np.random.default_rng(config.seed)
   p = random_params(rng, m=m, n=n, k=k, scale=n ** -0.5, dtype=dtype)
   h = normal(rng, (m, n), dtype)
   flops = elsa_flops(m, n, k, v)
-  row = dict(m=m, n=n, k=k, v=v, flops=flops)
-
-  fast = jax.jit(elsa.elsa).lower(p, h).compile()
-  row["elsa"] = time_call(lambda: fast(p, h), config=config)
-  row["elsa"]["bytes"] = allocated_bytes(fast)
-  row["elsa"]["gflops"] = flops / row["elsa"]["median_s"] / 1e9
-
   width = math.ceil(flops / (2 * m * n))
   b = normal(rng, (n, width), dtype)
-  matmul = jax.jit(jnp.matmul).lower(h, b).compile()
-  row["matmul"] = time_call(lambda: matmul(h, b), config=config)
-  row["matmul"].update(shape=[m, n, width],
-                       gflops=2 * m * n * width / row["matmul"]["median_s"] / 1e9)
-  row["fraction_of_matmul_rate"] = row["elsa"]["gflops"] / row["matmul"]["gflops"]
+  row = dict(m=m, n=n, k=k, v=v, dtype=dtype.name, flops=flops)
 
+  fast = jax.jit(elsa.elsa).lower(p, h).compile()
+  matmul = jax.jit(jnp.matmul).lower(h, b).compile()
+  calls = dict(elsa=lambda: fast(p, h), matmul=lambda: matmul(h, b))
   slow = jax.jit(quadratic_elsa).lower(p, h).compile()
   needed = allocated_bytes(slow)
   if needed is None:  # No memory analysis: estimate the [m, m] matrix.
@@ -192,35 +223,48 @@ def primitive_row(m: int, n: int, config: ml_collections.ConfigDict
     row["quadratic"]["skipped"] = (
         f"needs {needed / _GIB:.2f} GiB > budget "
         f"{config.quadratic_budget_gib} GiB")
-    row["speedup_vs_quadratic"] = None
   else:
-    row["quadratic"].update(time_call(lambda: slow(p, h), config=config))
-    row["speedup_vs_quadratic"] = (row["quadratic"]["median_s"] /
-                                   row["elsa"]["median_s"])
+    calls["quadratic"] = lambda: slow(p, h)
+
+  times = time_rounds(calls, config=config)
+  row["elsa"] = dict(timing(times["elsa"]), bytes=allocated_bytes(fast),
+                     gflops=flops / np.median(times["elsa"]) / 1e9)
+  matmul_flops = 2 * m * n * width
+  row["matmul"] = dict(timing(times["matmul"]), shape=[m, n, width],
+                       gflops=matmul_flops / np.median(times["matmul"]) / 1e9)
+  row["fraction_of_matmul_rate"] = per_round(
+      (flops / times["elsa"]) / (matmul_flops / times["matmul"]))
+  if "quadratic" in times:
+    row["quadratic"].update(timing(times["quadratic"]))
+    row["speedup_vs_quadratic"] = per_round(times["quadratic"] / times["elsa"])
+  else:
+    row["speedup_vs_quadratic"] = None
   return row
 
 
 def run_primitive(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Part 1: rows for every (n, m), and the fitted exponent per width."""
+  """Part 1: rows for every (dtype, n, m), and the fitted exponent per dtype and width."""
   rows, exponents = [], {}
-  progress = common.Progress(len(config.widths) * len(config.tokens),
-                             name="primitive", unit="cases", every_s=0.0)
-  for n in config.widths:
-    for m in config.tokens:
-      rows.append(primitive_row(m, n, config))
-      progress.update()
-    mine = [r for r in rows if r["n"] == n]
-    big = [r for r in mine if r["m"] >= config.fit_min_tokens]
-    exponents[str(n)] = dict(
-        all_tokens=fit_exponent([r["m"] for r in mine],
-                                [r["elsa"]["median_s"] for r in mine]),
-        from_fit_min_tokens=fit_exponent([r["m"] for r in big],
-                                         [r["elsa"]["median_s"] for r in big]))
+  progress = common.Progress(
+      len(config.dtypes) * len(config.widths) * len(config.tokens),
+      name="primitive", unit="cases", every_s=0.0)
+  for dtype in config.dtypes:
+    for n in config.widths:
+      for m in config.tokens:
+        rows.append(primitive_row(m, n, dtype, config))
+        progress.update()
+      mine = [r for r in rows if r["n"] == n and r["dtype"] == dtype]
+      big = [r for r in mine if r["m"] >= config.fit_min_tokens]
+      exponents[f"{dtype} n={n}"] = dict(
+          all_tokens=fit_exponent([r["m"] for r in mine],
+                                  [r["elsa"]["median_s"] for r in mine]),
+          from_fit_min_tokens=fit_exponent(
+              [r["m"] for r in big], [r["elsa"]["median_s"] for r in big]))
   return dict(rows=rows, time_exponent=exponents)
 
 
 def _stack_inputs(config: ml_collections.ConfigDict, depth: int):
-  dtype = jnp.dtype(config.dtype)
+  dtype = jnp.dtype(config.dtypes[0])
   m, n, c = config.stack_tokens, config.stack_width, config.stack_components
   rng = np.random.default_rng(config.seed)
   # Small weights keep a deep cubic map from overflowing; speed is the point.
@@ -235,75 +279,86 @@ def _unrolled_stack(p: elsa.ElsaParams, h: jax.Array) -> jax.Array:
   return h
 
 
-def stack_row(depth: int, fn, config: ml_collections.ConfigDict
-              ) -> dict[str, Any]:
-  """Lower, compile (median of ``compile_reps``) and run ``fn`` at one depth.
+def _compile(fn, depth: int, config: ml_collections.ConfigDict):
+  """``(compiled, lower_s, compile_s)`` of ``fn`` on abstract stack inputs.
 
-  Compilation is timed on abstract inputs (shapes and dtypes only), before
-  the ``depth`` layers of random parameters are drawn.
+  Compilation is timed on shapes and dtypes only, before the ``depth``
+  layers of random parameters are drawn (a draw still running would slow
+  the compile).
   """
   specs = jax.eval_shape(lambda: _stack_inputs(config, depth))
-  lower_s, compile_s = [], []
-  for _ in range(config.compile_reps):
-    start = time.perf_counter()
-    # A fresh function each time, so no trace or compile cache answers.
-    lowered = jax.jit(lambda p, h: fn(p, h)).lower(*specs)  # pylint: disable=unnecessary-lambda
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile()
-    lower_s.append(lowered_at - start)
-    compile_s.append(time.perf_counter() - lowered_at)
-  p, h = jax.block_until_ready(_stack_inputs(config, depth))
-  run = time_call(lambda: compiled(p, h), config=config)
-  return dict(depth=depth, lower_s=float(np.median(lower_s)),
-              compile_s=float(np.median(compile_s)), run=run,
-              layer_s=run["median_s"] / depth)
+  start = time.perf_counter()
+  # A fresh function each time, so no trace or compile cache answers.
+  lowered = jax.jit(lambda p, h: fn(p, h)).lower(*specs)  # pylint: disable=unnecessary-lambda
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile()
+  return compiled, lowered_at - start, time.perf_counter() - lowered_at
+
+
+def stack_rows(fn, depths, config: ml_collections.ConfigDict
+               ) -> tuple[list[dict[str, Any]], np.ndarray]:
+  """Compile (``compile_reps`` rounds over all depths, in turn) and run ``fn``.
+
+  Returns a row per depth and the per-round compile times ``[reps, depths]``
+  (lower + compile).
+  """
+  lower_s = np.zeros((config.compile_reps, len(depths)))
+  compile_s = np.zeros_like(lower_s)
+  compiled = {}
+  for rep in range(config.compile_reps):
+    for i, depth in enumerate(depths):
+      compiled[depth], lower_s[rep, i], compile_s[rep, i] = _compile(
+          fn, depth, config)
+  rows = []
+  for i, depth in enumerate(depths):
+    p, h = jax.block_until_ready(_stack_inputs(config, depth))
+    seconds = time_rounds(dict(run=lambda c=compiled[depth]: c(p, h)),
+                          config=config)["run"]
+    rows.append(dict(depth=depth, lower_s=float(np.median(lower_s[:, i])),
+                     compile_s=float(np.median(compile_s[:, i])),
+                     run=timing(seconds),
+                     layer_s=float(np.median(seconds)) / depth))
+  return rows, lower_s + compile_s
 
 
 def run_stack(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """Part 2: compile and run time of ``elsa_stack`` (and an unrolled loop)."""
-  progress = common.Progress(
-      len(config.stack_depths) + len(config.unrolled_depths), name="stack",
-      unit="depths", every_s=0.0)
-  rows = dict(scan=[], unrolled=[])
-  for kind, fn, depths in (("scan", elsa.elsa_stack, config.stack_depths),
-                           ("unrolled", _unrolled_stack,
-                            config.unrolled_depths)):
-    for depth in depths:
-      rows[kind].append(stack_row(depth, fn, config))
-      progress.update()
-  first, last = rows["scan"][0], rows["scan"][-1]
-  return dict(**rows, compile_ratio_deepest_to_shallowest=(
-                  (last["lower_s"] + last["compile_s"]) /
-                  (first["lower_s"] + first["compile_s"])))
+  scan, compile_times = stack_rows(elsa.elsa_stack, config.stack_depths,
+                                   config)
+  unrolled, _ = stack_rows(_unrolled_stack, config.unrolled_depths, config)
+  return dict(scan=scan, unrolled=unrolled,
+              compile_ratio_deepest_to_shallowest=per_round(
+                  compile_times[:, -1] / compile_times[:, 0]))
 
 
-def sweep_items(config: ml_collections.ConfigDict, *, batch: int, dtype
-                ) -> dict[str, np.ndarray]:
-  """The flat (lam, eta, task) batch of ``experiments.sweep`` for ``batch`` tasks.
+def sweep_config(config: ml_collections.ConfigDict, *, batch: int
+                 ) -> ml_collections.ConfigDict:
+  """The sweep config whose items (:func:`experiments.sweep.grid_items`) are timed.
 
-  The layout of the sweep's own items: ``x [G, N, d]``, ``y [G, N]``,
-  ``x_query [G, Q, d]``, ``lam [G]``, ``eta [G]`` with ``G = len(lams) *
-  len(eta_fractions) * batch``; each ``eta`` is a fraction (< 1) of its
-  task's GD stability limit ``2 / (lambda_max(X^T X / N) + lam)``, so every
-  item converges and the timed work is the work of a stable sweep cell.
+  ``batch`` tasks per (lambda, eta) grid point; each ``eta`` a fraction
+  (< 1) of its task's GD stability limit ``2 / (lambda_max(X^T X / N) +
+  lam)``, so every item converges and the timed work is that of a stable
+  sweep cell.
   """
-  rng = np.random.default_rng(config.seed)
-  n, d, q = config.sweep_n_train, config.sweep_d, config.sweep_n_query
-  # Random linear tasks y = x w + 0.1 eps (as ridge.sample_tasks draws them).
-  x = rng.standard_normal((batch, n, d))
-  y = np.einsum("bnd,bd->bn", x, rng.standard_normal((batch, d)))
-  y += 0.1 * rng.standard_normal((batch, n))
-  x_query = rng.standard_normal((batch, q, d))
-  lams = np.asarray(config.sweep_lams, np.float64)
-  fractions = np.asarray(config.sweep_eta_fractions, np.float64)
-  top = np.linalg.eigvalsh(np.swapaxes(x, 1, 2) @ x / n)[:, -1]  # [batch]
-  limit = 2 / (top[None, :] + lams[:, None])  # [lams, batch]
-  shape = (len(lams), len(fractions), batch)
-  task_index = np.broadcast_to(np.arange(batch), shape).reshape(-1)
-  items = dict(x=x[task_index], y=y[task_index], x_query=x_query[task_index],
-               lam=np.broadcast_to(lams[:, None, None], shape).reshape(-1),
-               eta=(fractions[None, :, None] * limit[:, None, :]).reshape(-1))
-  return {k: v.astype(dtype) for k, v in items.items()}
+  return ml_collections.ConfigDict(dict(
+      seed=config.seed, noise=config.sweep_noise, n_train=config.sweep_n_train,
+      d=config.sweep_d, n_query=config.sweep_n_query, n_tasks=batch,
+      lams=tuple(config.sweep_lams), etas=tuple(config.sweep_eta_fractions),
+      eta_mode="fraction"))
+
+
+def layer_flops(m: int, n: int, k: int, v: int, c: int) -> int:
+  """FLOPs of one ``elsa_layer`` of ``c`` components on one ``[m, n]`` item.
+
+  Per component: the projections and their biases ``2 m n (k + v) + m (k +
+  v)``, ``S = K^T V`` ``2 m k v``, its coefficients ``k v``, ``W3 S`` ``2 n k
+  v`` and ``B3 S`` ``2 m k v``; once: ``h (sum_c W3_c S_c)`` ``2 m n v`` and
+  the final add ``m v``. Zero entries of the weights count: this is the
+  arithmetic the machine does.
+  """
+  per_component = (2 * m * n * (k + v) + m * (k + v) + 4 * m * k * v
+                   + k * v + 2 * n * k * v)
+  return c * per_component + 2 * m * n * v + m * v
 
 
 def _gd_kernel(*, depth: int, mesh: Mesh):
@@ -320,11 +375,12 @@ def _gd_kernel(*, depth: int, mesh: Mesh):
                  out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def sweep_row(form, batch: int, mesh: Mesh, config: ml_collections.ConfigDict
-              ) -> dict[str, Any]:
-  """The sweep kernel and direct GD at one task batch, compiled and timed."""
-  depth = config.sweep_depth
-  items = sweep_items(config, batch=batch, dtype=jnp.dtype(config.dtype))
+def sweep_row(form, batch: int, dtype, mesh: Mesh,
+              config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The sweep kernel, direct GD and a square matmul at one task batch,
+  compiled and timed in the same rounds."""
+  depth, dtype = config.sweep_depth, jnp.dtype(dtype)
+  items = sweep.grid_items(sweep_config(config, batch=batch), dtype)
   n_items = len(items["lam"])
   # The sweep pads its chunks to a multiple of the device count the same way.
   padded = -(-n_items // mesh.size) * mesh.size
@@ -334,63 +390,84 @@ def sweep_row(form, batch: int, mesh: Mesh, config: ml_collections.ConfigDict
           for k in ("x", "y", "x_query", "lam", "eta")]
   kernels = dict(sweep_kernel=sweep.build_measure(form, depth=depth, mesh=mesh),
                  gd=_gd_kernel(depth=depth, mesh=mesh))
-  row = dict(batch=batch, grid=n_items // batch, items=n_items,
-             padded_items=padded, depth=depth, m=form.m, n=form.n)
+  row = dict(batch=batch, dtype=dtype.name, grid=n_items // batch,
+             items=n_items, padded_items=padded, depth=depth, m=form.m,
+             n=form.n)
+  calls, compile_s = {}, {}
   for name, kernel in kernels.items():
     start = time.perf_counter()
     compiled = kernel.lower(*args).compile()
-    row[name] = dict(compile_s=time.perf_counter() - start,
-                     **time_call(lambda c=compiled: c(*args), config=config))
-    row[name]["item_layers_per_s"] = (n_items * depth /
-                                      row[name]["median_s"])
-    if name == "sweep_kernel":
-      # The kernel checks itself: ELSA iterate t against GD iterate t.
-      rel_err = np.asarray(compiled(*args)["rel_err"])[:n_items]
-      row["max_rel_err"] = float(np.max(rel_err))
-  row["sweep_kernel_over_gd_time"] = (row["sweep_kernel"]["median_s"] /
-                                      row["gd"]["median_s"])
+    compile_s[name] = time.perf_counter() - start
+    calls[name] = lambda c=compiled: c(*args)
+  calls["matmul"], matmul_flops = square_matmul(config.square_matmul_size,
+                                                dtype, config)
+  times = time_rounds(calls, config=config)
+  for name in kernels:
+    row[name] = dict(compile_s=compile_s[name], **timing(times[name]))
+    row[name]["item_layers_per_s"] = n_items * depth / row[name]["median_s"]
+  _, c, _, k = form.gd_basis(depth=1).w1.shape  # [L, C, n, k]
+  flops = padded * depth * layer_flops(form.m, form.n, k, form.n, c)
+  row["sweep_kernel"].update(flops=flops,
+                             gflops=flops / row["sweep_kernel"]["median_s"] / 1e9)
+  row["matmul"] = dict(size=config.square_matmul_size,
+                       gflops=matmul_flops / np.median(times["matmul"]) / 1e9,
+                       **timing(times["matmul"]))
+  row["fraction_of_matmul_rate"] = per_round(
+      (flops / times["sweep_kernel"]) / (matmul_flops / times["matmul"]))
+  row["sweep_kernel_over_gd_time"] = per_round(times["sweep_kernel"] /
+                                               times["gd"])
+  # The kernel checks itself: ELSA iterate t against GD iterate t.
+  rel_err = np.asarray(calls["sweep_kernel"]()["rel_err"])[:n_items]
+  row["max_rel_err"] = float(np.max(rel_err))
   return row
 
 
 def run_sweep(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Part 3: the sweep kernel against direct GD, at every task batch."""
-  form = sweep.make_form(config.sweep_form, ml_collections.ConfigDict(dict(
-      n_train=config.sweep_n_train, d=config.sweep_d,
-      n_query=config.sweep_n_query)))
+  """Part 3: the sweep kernel against direct GD, at every dtype and task batch."""
+  form = sweep.make_form(config.sweep_form, sweep_config(config, batch=1))
   mesh = Mesh(np.array(jax.devices()), ("batch",))
-  progress = common.Progress(len(config.sweep_batches), name="sweep",
-                             unit="cases", every_s=0.0)
+  progress = common.Progress(len(config.dtypes) * len(config.sweep_batches),
+                             name="sweep", unit="cases", every_s=0.0)
   rows = []
   # The sweep's precision: exact float32 products on GPU/TPU as on CPU.
   with jax.default_matmul_precision("highest"):
-    for batch in config.sweep_batches:
-      rows.append(sweep_row(form, batch, mesh, config))
-      progress.update()
+    for dtype in config.dtypes:
+      for batch in config.sweep_batches:
+        rows.append(sweep_row(form, batch, dtype, mesh, config))
+        progress.update()
   return dict(form=config.sweep_form, lams=list(config.sweep_lams),
               eta_fractions=list(config.sweep_eta_fractions),
               devices=mesh.size, rows=rows)
 
 
+def _spread(ratio: dict[str, float] | None) -> str:
+  """``median [min-max]`` of a per-round ratio, or ``-``."""
+  if ratio is None:
+    return "-"
+  return f"{ratio['median']:.3g} [{ratio['min']:.3g}-{ratio['max']:.3g}]"
+
+
 def format_tables(results: dict[str, Any]) -> str:
-  """The results as plain-text tables."""
+  """The results as plain-text tables; ratios as ``median [min-max]`` over rounds."""
   lines = [f"machine: {results['machine']}"]
-  square = results["square_matmul"]
-  lines.append(f"square matmul {square['size']}^3: {square['gflops']:.1f} GFLOP/s")
-  lines.append(f"{'n':>5} {'m':>7} {'elsa ms':>9} {'GFLOP/s':>8} "
-               f"{'matmul GFLOP/s':>15} {'of matmul':>9} {'quad ms':>9} "
-               f"{'speedup':>8} {'elsa MiB':>9} {'quad MiB':>9}")
+  for square in results["square_matmul"]:
+    lines.append(f"square matmul {square['size']}^3 {square['dtype']}: "
+                 f"{square['gflops']:.1f} GFLOP/s")
+  lines.append(f"{'dtype':>8} {'n':>5} {'m':>7} {'elsa ms':>9} {'GFLOP/s':>8} "
+               f"{'matmul GFLOP/s':>15} {'of matmul rate':>20} {'quad ms':>9} "
+               f"{'speedup':>20} {'elsa MiB':>9} {'quad MiB':>9}")
   for r in results["primitive"]["rows"]:
     quad = r["quadratic"]
     quad_ms = ("skipped" if "skipped" in quad
                else f"{quad['median_s'] * 1e3:.3g}")
-    speedup = (f"{r['speedup_vs_quadratic']:.3g}"
-               if r["speedup_vs_quadratic"] else "-")
     elsa_mib = (f"{r['elsa']['bytes'] / 2**20:.3g}"
                 if r["elsa"]["bytes"] is not None else "?")
     lines.append(
-        f"{r['n']:>5} {r['m']:>7} {r['elsa']['median_s'] * 1e3:>9.3g} "
+        f"{r['dtype']:>8} {r['n']:>5} {r['m']:>7} "
+        f"{r['elsa']['median_s'] * 1e3:>9.3g} "
         f"{r['elsa']['gflops']:>8.1f} {r['matmul']['gflops']:>15.1f} "
-        f"{r['fraction_of_matmul_rate']:>9.2f} {quad_ms:>9} {speedup:>8} "
+        f"{_spread(r['fraction_of_matmul_rate']):>20} {quad_ms:>9} "
+        f"{_spread(r['speedup_vs_quadratic']):>20} "
         f"{elsa_mib:>9} {quad['bytes'] / 2**20:>9.4g}")
   lines.append(f"time exponent in m: {results['primitive']['time_exponent']}")
   lines.append(f"{'kind':>9} {'depth':>6} {'lower s':>8} {'compile s':>10} "
@@ -402,17 +479,21 @@ def format_tables(results: dict[str, Any]) -> str:
                    f"{r['compile_s']:>10.3f} {r['run']['median_s'] * 1e3:>9.3g} "
                    f"{r['layer_s'] * 1e6:>9.3g}")
   lines.append("compile time, deepest / shallowest scan: "
-               f"{stack['compile_ratio_deepest_to_shallowest']:.2f}")
+               f"{_spread(stack['compile_ratio_deepest_to_shallowest'])}")
   lines.append(f"sweep kernel ({results['sweep']['form']} form) vs direct GD:")
-  lines.append(f"{'batch':>6} {'grid':>5} {'depth':>6} "
-               f"{'sweep item-layers/s':>20} {'gd item-layers/s':>17} "
-               f"{'sweep/gd time':>14} {'max rel_err':>12}")
+  lines.append(f"{'dtype':>8} {'batch':>6} {'grid':>5} {'depth':>6} "
+               f"{'sweep item-layers/s':>20} {'GFLOP/s':>8} "
+               f"{'of matmul rate':>20} {'gd item-layers/s':>17} "
+               f"{'sweep/gd time':>20} {'max rel_err':>12}")
   for r in results["sweep"]["rows"]:
     lines.append(
-        f"{r['batch']:>6} {r['grid']:>5} {r['depth']:>6} "
+        f"{r['dtype']:>8} {r['batch']:>6} {r['grid']:>5} {r['depth']:>6} "
         f"{r['sweep_kernel']['item_layers_per_s']:>20.4g} "
+        f"{r['sweep_kernel']['gflops']:>8.1f} "
+        f"{_spread(r['fraction_of_matmul_rate']):>20} "
         f"{r['gd']['item_layers_per_s']:>17.4g} "
-        f"{r['sweep_kernel_over_gd_time']:>14.3g} {r['max_rel_err']:>12.2g}")
+        f"{_spread(r['sweep_kernel_over_gd_time']):>20} "
+        f"{r['max_rel_err']:>12.2g}")
   return "\n".join(lines)
 
 
@@ -424,7 +505,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
       an empty list of sizes, or arrays that would not fit in memory.
   """
   common.check_int(config, "seed", low=0)
-  common.check_choice(config, "dtype", ("float32", "float64"))
+  common.check_items(config, "dtypes", choices=("float32", "float64"))
   common.check_int(config, "warmup", low=0)
   common.check_int(config, "reps")
   common.check_int(config, "min_reps", high=config.reps)
@@ -438,11 +519,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
                 "sweep_n_train", "sweep_d", "sweep_n_query", "sweep_depth"):
     common.check_int(config, field)
   common.check_float(config, "quadratic_budget_gib", low=0)
+  common.check_float(config, "sweep_noise", low=0)
   common.check_choice(config, "sweep_form", ("designed", "natural"))
   common.check_items(config, "sweep_lams", low=0)
   common.check_items(config, "sweep_eta_fractions", low=0, high=1,
                      low_open=True, high_open=True)
-  itemsize = jnp.dtype(config.dtype).itemsize
+  itemsize = max(jnp.dtype(d).itemsize for d in config.dtypes)
   m, n = max(config.tokens), max(config.widths)
   stack = max(config.stack_depths + config.unrolled_depths)
   # Part 1: h, the outputs and the weights; part 2: the stack's parameters;
@@ -463,7 +545,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   A workdir that already holds results of the same config is not re-measured:
   its results are returned. ``overwrite`` (as for every driver) first deletes
   what an earlier benchmark wrote in ``workdir``, so everything is measured
-  again. ``config.dtype = "float64"`` turns on ``jax_enable_x64`` inside.
+  again. With float64 in ``config.dtypes``, ``jax_enable_x64`` is on inside
+  the run and restored after it.
 
   Raises:
     experiments.common.ConfigError: the config cannot run (nothing written).
@@ -471,14 +554,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
       holds a different config and ``overwrite`` is off.
   """
   validate(config)
-  with common.float_dtype_enabled(config.dtype), common.claim_workdir(
+  x64 = "float64" if "float64" in config.dtypes else "float32"
+  with common.float_dtype_enabled(x64), common.claim_workdir(
       workdir, config, overwrite=overwrite) as wd:
     found = wd.read_json("results.json")
     if found is not None:
       logging.info("%s holds finished results; not re-measuring.",
                    wd.path("results.json"))
       return found
-    results = dict(machine=machine(), square_matmul=square_matmul(config))
+    results = dict(machine=machine(), square_matmul=[
+        square_matmul_rate(dtype, config) for dtype in config.dtypes])
     results["primitive"] = run_primitive(config)
     results["stack"] = run_stack(config)
     results["sweep"] = run_sweep(config)

@@ -4,9 +4,9 @@ r"""The main job: L ELSA layers reproduce L ridge-GD steps, swept over depth x l
 
 For each input form (``designed``, ``natural``), each ridge strength ``lam``,
 each step size ``eta`` and a batch of random tasks, ONE ELSA stack of the
-maximum depth ``L`` runs with ``return_all`` and every state ``h_t`` is
-decoded and compared with GD iterate ``t`` (:func:`elsa.ridge.gd`), so
-"``t`` layers == ``t`` GD steps" is measured at every ``t = 1..L`` from one
+maximum depth ``L`` (the form's GD layers) runs as one scan and every state
+``h_t`` is decoded and compared with GD iterate ``t`` (:func:`elsa.ridge.gd`),
+so "``t`` layers == ``t`` GD steps" is measured at every ``t = 1..L`` from one
 scan. Both are also compared with the ridge solution (:func:`elsa.ridge.solve`).
 
 Relative error, used for every number this driver reports, per task and depth:
@@ -109,13 +109,29 @@ def measure_task(form, x: Array, y: Array, x_query: Array, lam: Array,
 
   Returns:
     ``rel_err``, ``elsa_to_ridge``, ``gd_to_ridge``: each ``[L + 1]``.
+
+  The stack is ``form.gd_basis`` with this item's ``form.gd_coefficients``
+  (the same layers as ``form.gd_params``): the basis does not depend on
+  ``lam`` or ``eta``, so under ``vmap`` every item shares it and the
+  projections run as one matmul over all items, where a parameter stack per
+  item used to be built. The layers run in one ``lax.scan`` of
+  :func:`elsa.elsa_layer` that decodes ``w`` from each state as it is made:
+  the same states as ``elsa_stack(..., return_all=True)``, without writing
+  all ``L + 1`` of them out (BUILD_NOTES, "The sweep kernel").
   """
-  params = form.gd_params(lam=lam, eta=eta, depth=depth)
-  states = elsa.elsa_stack(params, form.encode(x, y, x_query=x_query),
-                           return_all=True)
+  def layer(h, params_and_coeffs):
+    params, coeffs = params_and_coeffs
+    h = elsa.elsa_layer(params, h, coeffs=coeffs)
+    return h, form.decode_w(h)
+
+  h0 = form.encode(x, y, x_query=x_query)
+  _, w_layers = jax.lax.scan(layer, h0, (
+      form.gd_basis(depth=depth, dtype=x.dtype),
+      form.gd_coefficients(lam=lam, eta=eta, depth=depth)))
   w_gd = ridge.gd(x, y, lam=lam, eta=eta, steps=depth).reshape(depth + 1, -1)
   # decode_w may keep a trailing output axis of size n_out = 1.
-  w_elsa = form.decode_w(states).reshape(w_gd.shape)
+  w_elsa = jnp.concatenate([form.decode_w(h0)[None], w_layers]).reshape(
+      w_gd.shape)
   w_ridge = ridge.solve(x, y, lam=lam).reshape(-1)
   return dict(rel_err=relative_error(w_elsa, w_gd),
               elsa_to_ridge=relative_error(w_elsa, w_ridge),
@@ -163,8 +179,11 @@ def _tasks_and_limits(config: ml_collections.ConfigDict, dtype):
                 jnp.asarray(config.lams, dtype))
 
 
-def _grid_items(config: ml_collections.ConfigDict, dtype) -> dict[str, np.ndarray]:
+def grid_items(config: ml_collections.ConfigDict, dtype) -> dict[str, np.ndarray]:
   """The flat batch, ordered (lam, eta, task): inputs and the stability mask.
+
+  Uses ``config.seed, noise, n_train, d, n_query, n_tasks, lams, etas,
+  eta_mode`` (the benchmark times the kernel on these same items).
 
   Returns ``x [G, N, d]``, ``y [G, N]``, ``x_query [G, Q, d]``, ``lam [G]``,
   ``eta [G]`` (absolute step sizes) and ``unstable [G]`` (``eta`` at or past
@@ -437,7 +456,7 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype, *,
     return done
 
   start = time.perf_counter()
-  items = _grid_items(config, dtype)
+  items = grid_items(config, dtype)
   n_items = len(items["lam"])
   partial = {}
   for name, done in zip(config.forms, finished["forms"]):

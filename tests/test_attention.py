@@ -98,17 +98,41 @@ def test_grad_matches_finite_differences():
     assert abs(fd - analytic) <= 1e-7 * max(1.0, abs(analytic)), name
 
 
-def test_layer_and_stack_match_loops():
-  rng = np.random.default_rng(3)
-  L, C, m, n, k = 4, 3, 7, 5, 2
-  ps = random_params(rng, m, n, k, n, jnp.float64, lead=(L, C))
-  # Scale down so that four cubic layers stay O(1).
-  ps = jax.tree.map(lambda a: 0.3 * a, ps)
-  h = jnp.asarray(rng.normal(size=(2, m, n)))
-  states = [np.asarray(h)]
+def np_stack(ps, h, coeffs=None):
+  """Every state of a stack, by explicit loops over layers and components.
+
+  ``coeffs [..., L, C, v or 1]`` scales the output columns of each component.
+  """
+  L, C = ps.w1.shape[:2]
+  states = [np.asarray(h, np.float64)]
   for layer in range(L):
-    comps = [ElsaParams(*(a[layer, c] for a in ps)) for c in range(C)]
-    states.append(sum(np_elsa(cp, states[-1]) for cp in comps))
+    total = 0
+    for c in range(C):
+      out = np_elsa(ElsaParams(*(a[layer, c] for a in ps)), states[-1])
+      if coeffs is not None:
+        out = out * np.asarray(coeffs, np.float64)[..., layer, c, None, :]
+      total = total + out
+    states.append(total)
+  return states
+
+
+# (L, C, m, n, k, scale): per-item m k v on both sides of the layer's switch
+# from a fused multiply-and-sum to one dot per component
+# (attention._SMALL_CONTRACTION); scale keeps the cubic layers O(1).
+LAYER_SHAPES = [(4, 3, 7, 5, 2, 0.3), (2, 2, 40, 30, 30, 0.05)]
+
+
+def _stack_case(L, C, m, n, k, scale, *, seed=3):
+  rng = np.random.default_rng(seed)
+  ps = random_params(rng, m, n, k, n, jnp.float64, lead=(L, C))
+  return rng, jax.tree.map(lambda a: scale * a, ps)
+
+
+@pytest.mark.parametrize("L,C,m,n,k,scale", LAYER_SHAPES)
+def test_layer_and_stack_match_loops(L, C, m, n, k, scale):
+  rng, ps = _stack_case(L, C, m, n, k, scale)
+  h = jnp.asarray(rng.normal(size=(2, m, n)))
+  states = np_stack(ps, h)
   one = ElsaParams(*(a[0] for a in ps))
   assert rel_err(elsa.elsa_layer(one, h), states[1]) < F64_RTOL
   assert rel_err(elsa.elsa_stack(ps, h), states[-1]) < 1e-11
@@ -117,6 +141,73 @@ def test_layer_and_stack_match_loops():
   assert all_states.shape == (L + 1, 2, m, n)
   for t in range(L + 1):
     assert rel_err(all_states[t], states[t]) < 1e-11
+
+
+@pytest.mark.parametrize("L,C,m,n,k,scale", LAYER_SHAPES)
+@pytest.mark.parametrize("per_column", [True, False])
+def test_coeffs_scale_each_component(L, C, m, n, k, scale, per_column):
+  """coeffs [..., L, C, v | 1] against the numpy loop, jitted, batch broadcast."""
+  rng, ps = _stack_case(L, C, m, n, k, scale, seed=4)
+  h = jnp.asarray(rng.normal(size=(m, n)))
+  # Items differ only in coeffs: h [m, n] broadcasts against coeffs [3, ...].
+  coeffs = jnp.asarray(rng.uniform(-2, 2, size=(3, L, C, n if per_column else 1)))
+  states = np_stack(ps, np.broadcast_to(h, (3, m, n)), coeffs)
+  got = jax.jit(elsa.elsa_stack, static_argnames="return_all")(
+      ps, h, coeffs=coeffs, return_all=True)
+  assert got.shape == (L + 1, 3, m, n)
+  for t in range(L + 1):
+    assert rel_err(got[t], states[t]) < 1e-11
+  one = ElsaParams(*(a[0] for a in ps))
+  assert rel_err(elsa.elsa_layer(one, h, coeffs=coeffs[:, 0]), states[1]) < F64_RTOL
+
+
+def _fold(ps, coeffs):
+  """The same stack with coeffs [L, C, v] folded into the value weights."""
+  return ps._replace(w2=ps.w2 * coeffs[:, :, None, :],
+                     b2=ps.b2 * coeffs[:, :, None, :])
+
+
+def test_coeffs_under_vmap_and_grad_equal_folded_weights():
+  """Shared p with per-item coeffs == per-item folded params, values and grads."""
+  L, C, m, n, k = 3, 2, 6, 4, 3
+  rng, ps = _stack_case(L, C, m, n, k, 0.3, seed=5)
+  hs = jnp.asarray(rng.normal(size=(4, m, n)))
+  coeffs = jnp.asarray(rng.uniform(-1, 1, size=(4, L, C, n)))
+  shared = jax.jit(jax.vmap(lambda h, a: elsa.elsa_stack(ps, h, coeffs=a)))
+  folded = jax.vmap(lambda h, a: elsa.elsa_stack(_fold(ps, a), h))
+  assert rel_err(shared(hs, coeffs), folded(hs, coeffs)) < F64_RTOL
+  weights = jnp.asarray(rng.normal(size=(m, n)))
+  loss = lambda stack: lambda a, p, h: jnp.sum(jnp.sin(stack(a, p, h)) * weights)
+  with_coeffs = loss(lambda a, p, h: elsa.elsa_stack(p, h, coeffs=a))
+  with_folded = loss(lambda a, p, h: elsa.elsa_stack(_fold(p, a), h))
+  got = jax.grad(with_coeffs, argnums=(0, 1, 2))(coeffs[0], ps, hs[0])
+  want = jax.grad(with_folded, argnums=(0, 1, 2))(coeffs[0], ps, hs[0])
+  # Gradients of three cubic layers reach 1e4 here; their rounding is
+  # amplified accordingly (measured 6e-12 worst over the leaves).
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel_err(g, w) < 1e-10
+
+
+@pytest.mark.parametrize("coeffs_shape,pattern", [
+    ((2, 3), r"coeffs must have shape \[\.\.\., L, C, v\] = \[\.\.\., L=2, C=3, 5\]"),
+    ((2, 3, 4), r"\[\.\.\., L=2, C=3, 1\].*got shape \(2, 3, 4\)"),
+    ((3, 3, 5), r"got shape \(3, 3, 5\)"),
+    ((2, 2, 1), r"got shape \(2, 2, 1\)"),
+    ((4, 2, 3, 1), r"batch axes of coeffs \(4, 2, 3, 1\).*broadcast with those "
+                   r"of h \(3, 7, 5\)"),
+])
+def test_bad_coeffs_raise(coeffs_shape, pattern):
+  ps = ElsaParams.init(jax.random.key(0), m=7, n=5, k=2, lead=(2, 3))
+  h = jnp.ones((3, 7, 5), ps.w1.dtype)
+  with pytest.raises(ValueError, match=pattern):
+    jax.jit(elsa.elsa_stack)(ps, h, coeffs=jnp.ones(coeffs_shape, h.dtype))
+  with pytest.raises(TypeError, match="coeffs has dtype float32 but h has "
+                     "dtype float64"):
+    elsa.elsa_stack(ps, h, coeffs=jnp.ones((2, 3, 1), jnp.float32))
+  layer = ElsaParams(*(a[0] for a in ps))
+  with pytest.raises(ValueError, match=r"elsa_layer: coeffs must have shape "
+                     r"\[\.\.\., C, v\] = \[\.\.\., C=3, 5\]"):
+    elsa.elsa_layer(layer, h, coeffs=jnp.ones((3, 4), h.dtype))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])

@@ -14,6 +14,7 @@ import pytest
 from elsa import ridge
 from experiments import benchmark
 from experiments import common
+from experiments import sweep
 from experiments.configs import benchmark as benchmark_config
 
 
@@ -28,8 +29,15 @@ def _positive(x):
   return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+def _per_round(ratio, config):
+  """A ratio over rounds: positive median within its spread."""
+  assert _positive(ratio["min"])
+  assert ratio["min"] <= ratio["median"] <= ratio["max"]
+  assert config.min_reps <= ratio["rounds"] <= config.reps
+
+
 def test_results_file_matches_returned_results(quick_run):
-  _, workdir, results = quick_run
+  config, workdir, results = quick_run
   found = common.read_json(os.path.join(workdir, "results.json"))
   assert found.pop("_check")["config_hash"] == common.config_hash(
       benchmark_config.get_config("quick"))
@@ -37,14 +45,18 @@ def test_results_file_matches_returned_results(quick_run):
   assert set(results) >= {"machine", "square_matmul", "primitive", "stack",
                           "sweep", "load_average_after"}
   assert results["machine"]["platform"] in ("cpu", "gpu", "tpu", "cuda", "rocm")
-  assert _positive(results["square_matmul"]["gflops"])
+  squares = results["square_matmul"]
+  assert [s["dtype"] for s in squares] == list(config.dtypes)
+  assert all(_positive(s["gflops"]) for s in squares)
 
 
 def test_primitive_rows(quick_run):
   config, _, results = quick_run
   rows = results["primitive"]["rows"]
-  assert [(r["n"], r["m"]) for r in rows] == [
-      (n, m) for n in config.widths for m in config.tokens]
+  assert config.dtypes == ("float32", "float64")
+  assert [(r["dtype"], r["n"], r["m"]) for r in rows] == [
+      (dtype, n, m) for dtype in config.dtypes for n in config.widths
+      for m in config.tokens]
   for r in rows:
     m, n = r["m"], r["n"]
     assert r["flops"] == 2 * m * n * 3 * n + 4 * m * n * n + 3 * m * n
@@ -53,24 +65,25 @@ def test_primitive_rows(quick_run):
       assert _positive(r[part]["median_s"]) and r[part]["reps"] >= 1
       assert r[part]["min_s"] <= r[part]["median_s"]
       assert _positive(r[part]["gflops"])
-    assert _positive(r["fraction_of_matmul_rate"])
+    _per_round(r["fraction_of_matmul_rate"], config)
     # The same-FLOP matmul really has at least the FLOPs of ELSA.
     _, _, width = r["matmul"]["shape"]
     assert 0 <= 2 * m * n * width - r["flops"] < 2 * m * n
+    size = np.dtype(r["dtype"]).itemsize
     # The quadratic order needs at least its [m, m] matrix.
-    assert r["quadratic"]["bytes"] >= 4 * m * m
+    assert r["quadratic"]["bytes"] >= size * m * m
     if "skipped" in r["quadratic"]:
       assert r["speedup_vs_quadratic"] is None
     else:
       assert _positive(r["quadratic"]["median_s"])
-      assert _positive(r["speedup_vs_quadratic"])
+      _per_round(r["speedup_vs_quadratic"], config)
     if r["elsa"]["bytes"] is not None:
       # Linear memory: Q, K, V, K^T V and the output, with slack for
       # alignment; at m = 256 this is well below the [m, m] matrix.
-      linear = 4 * (3 * m * n + n * n + m * n)
+      linear = size * (3 * m * n + n * n + m * n)
       assert r["elsa"]["bytes"] <= 2 * linear + 4096
       if m >= 256:
-        assert r["elsa"]["bytes"] < 4 * m * m
+        assert r["elsa"]["bytes"] < size * m * m
   # The quick budget (0.01 GiB) keeps m=64 and m=256 both running.
   assert any(r["speedup_vs_quadratic"] is not None for r in rows)
   for fit in results["primitive"]["time_exponent"].values():
@@ -85,22 +98,26 @@ def test_stack_rows(quick_run):
   for r in stack["scan"] + stack["unrolled"]:
     assert _positive(r["compile_s"]) and _positive(r["lower_s"])
     assert _positive(r["run"]["median_s"]) and _positive(r["layer_s"])
-  assert _positive(stack["compile_ratio_deepest_to_shallowest"])
+  ratio = stack["compile_ratio_deepest_to_shallowest"]
+  assert _positive(ratio["min"]) and ratio["min"] <= ratio["median"] <= ratio["max"]
+  assert ratio["rounds"] == config.compile_reps
 
 
 def test_sweep_rows(quick_run):
   config, _, results = quick_run
-  sweep = results["sweep"]
-  assert sweep["form"] == config.sweep_form
-  assert sweep["lams"] == list(config.sweep_lams)
-  assert sweep["eta_fractions"] == list(config.sweep_eta_fractions)
-  assert sweep["devices"] >= 1
-  assert [r["batch"] for r in sweep["rows"]] == list(config.sweep_batches)
+  part = results["sweep"]
+  assert part["form"] == config.sweep_form
+  assert part["lams"] == list(config.sweep_lams)
+  assert part["eta_fractions"] == list(config.sweep_eta_fractions)
+  assert part["devices"] >= 1
+  assert [(r["dtype"], r["batch"]) for r in part["rows"]] == [
+      (dtype, batch) for dtype in config.dtypes
+      for batch in config.sweep_batches]
   grid = len(config.sweep_lams) * len(config.sweep_eta_fractions)
-  for r in sweep["rows"]:
+  for r in part["rows"]:
     assert r["grid"] == grid and r["items"] == grid * r["batch"]
     assert r["padded_items"] >= r["items"]
-    assert r["padded_items"] % sweep["devices"] == 0
+    assert r["padded_items"] % part["devices"] == 0
     assert r["depth"] == config.sweep_depth
     # The Designed form's token layout for these task shapes.
     assert r["m"] > config.sweep_n_train and r["n"] > config.sweep_d
@@ -110,29 +127,33 @@ def test_sweep_rows(quick_run):
       assert timing["min_s"] <= timing["median_s"] and timing["reps"] >= 1
       assert timing["item_layers_per_s"] == pytest.approx(
           r["items"] * r["depth"] / timing["median_s"])
-    assert r["sweep_kernel_over_gd_time"] == pytest.approx(
-        r["sweep_kernel"]["median_s"] / r["gd"]["median_s"])
-    # The timed kernel is the sweep's: its own ELSA-vs-GD error is float32
-    # rounding (stable step sizes, depth 4), not a wrong computation.
-    assert 0 <= r["max_rel_err"] < 1e-4
+    # Two components of k = n per layer (the Designed basis).
+    m, n = r["m"], r["n"]
+    assert r["sweep_kernel"]["flops"] == (
+        r["padded_items"] * r["depth"] * benchmark.layer_flops(m, n, n, n, 2))
+    assert _positive(r["matmul"]["gflops"])
+    _per_round(r["fraction_of_matmul_rate"], config)
+    _per_round(r["sweep_kernel_over_gd_time"], config)
+    # The timed kernel is the sweep's: its own ELSA-vs-GD error is rounding
+    # (stable step sizes, depth 4), not a wrong computation.
+    assert 0 <= r["max_rel_err"] < (1e-4 if r["dtype"] == "float32" else 1e-12)
 
 
-def test_sweep_items_match_the_sweep_layout():
+def test_sweep_config_gives_the_sweeps_stable_items():
+  """The benchmark times experiments.sweep.grid_items, all eta below the limit."""
   config = benchmark_config.get_config("quick")
   config.sweep_lams = (0.0, 0.5)
   config.sweep_eta_fractions = (0.25, 0.5, 0.9)
-  items = benchmark.sweep_items(config, batch=3, dtype=np.float64)
+  sweep_config = benchmark.sweep_config(config, batch=3)
+  items = sweep.grid_items(sweep_config, np.float64)
   g = 2 * 3 * 3
   n, d, q = config.sweep_n_train, config.sweep_d, config.sweep_n_query
   assert items["x"].shape == (g, n, d) and items["y"].shape == (g, n)
   assert items["x_query"].shape == (g, q, d)
-  assert items["lam"].shape == items["eta"].shape == (g,)
-  # Ordered (lam, eta, task), as experiments.sweep._grid_items.
-  lam = items["lam"].reshape(2, 3, 3)
-  np.testing.assert_array_equal(lam, np.broadcast_to([[[0.0]], [[0.5]]], lam.shape))
-  x = items["x"].reshape(2, 3, 3, n, d)
-  np.testing.assert_array_equal(x, np.broadcast_to(x[0, 0], x.shape))
+  assert not items["unstable"].any()
   # eta is the stated fraction of each task's stability limit.
+  x = items["x"].reshape(2, 3, 3, n, d)
+  lam = items["lam"].reshape(2, 3, 3)
   limit = np.asarray(ridge.stability_limit(x[:, 0], lam=lam[:, 0, :]))
   np.testing.assert_allclose(items["eta"].reshape(2, 3, 3),
                              np.array([0.25, 0.5, 0.9])[None, :, None]

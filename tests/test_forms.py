@@ -377,3 +377,41 @@ def test_w0_with_d_1_and_one_output():
   x, y, xq = jnp.zeros((2, 4, 3)), jnp.zeros((2, 4)), jnp.zeros((2, 2, 3))
   with pytest.raises(ValueError, match=r"w0 .*got \(5, 3\)"):
     form3.encode(x, y, x_query=xq, w0=jnp.zeros((5, 3)))
+
+
+@pytest.mark.parametrize("batch,n_train,d,n_query,n_out",
+                         [SHAPES[0], SHAPES[2]])  # with queries; Q = 0, k = 2
+@pytest.mark.parametrize("form_cls", FORMS)
+def test_basis_with_coefficients_is_gd_params(form_cls, batch, n_train, d,
+                                              n_query, n_out):
+  """gd_basis scaled by gd_coefficients: the same states as gd_params, and GD."""
+  depth = 5
+  form = form_cls(n_train=n_train, d=d, n_query=n_query, n_out=n_out)
+  x, y, x_query = task(zlib.crc32(repr(batch).encode()) + 7, batch, n_train,
+                       d, n_query, n_out, jnp.float64)
+  lam = 0.3
+  etas = eta_for(x, lam) * jnp.linspace(0.5, 1.0, depth)  # a schedule
+  h0 = form.encode(x, y, x_query=x_query)
+  basis = form.gd_basis(depth=depth)
+  coeffs = form.gd_coefficients(lam=lam, eta=etas, depth=depth)
+  params = form.gd_params(lam=lam, eta=etas, depth=depth)
+  assert basis.w1.shape[:2] == params.w1.shape[:2]
+  assert coeffs.shape == (*params.w1.shape[:2], form.n)
+  hs = elsa.elsa_stack(basis, h0, coeffs=coeffs, return_all=True)
+  want = elsa.elsa_stack(params, h0, return_all=True)
+  assert rel_err(hs, want) < 1e-12
+  ws = ridge.gd(x, y, lam=lam, eta=etas, steps=depth)
+  assert rel_err(form.decode_w(hs), ws) < F64_RTOL
+
+
+def test_basis_and_coefficients_validate():
+  form = forms.Natural(n_train=4, d=2, n_query=1)
+  assert form.gd_basis(depth=3, dtype=jnp.float32).w1.dtype == jnp.float32
+  with pytest.raises(ValueError, match="gd_basis: depth"):
+    form.gd_basis(depth=0)
+  with pytest.raises(ValueError, match="gd_coefficients: eta"):
+    form.gd_coefficients(lam=0.1, eta=jnp.ones(2), depth=3)
+  with pytest.raises(ValueError, match="gd_coefficients: lam"):
+    form.gd_coefficients(lam=jnp.ones(2), eta=0.1, depth=3)
+  with pytest.raises(TypeError, match="dtype must be floating"):
+    form.gd_basis(depth=3, dtype=jnp.int32)

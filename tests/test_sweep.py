@@ -240,8 +240,9 @@ def test_measure_task_detects_a_wrong_stack():
   assert float(good["rel_err"].max()) < F64_BOUND
 
   class OffByOnePercent(forms.Designed):
-    def gd_params(self, *, lam, eta, depth):
-      return super().gd_params(lam=lam, eta=1.01 * eta, depth=depth)
+    # The kernel scales the shared gd_basis by these per-item coefficients.
+    def gd_coefficients(self, *, lam, eta, depth):
+      return super().gd_coefficients(lam=lam, eta=1.01 * eta, depth=depth)
 
   wrong = OffByOnePercent(n_train=6, d=3, n_query=2, n_out=1)
   bad = measure(wrong)

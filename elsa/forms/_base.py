@@ -118,9 +118,70 @@ class GDForm(TokenForm):
     """The layers of :meth:`gd_params` from checked ``lam: []``, ``etas: [L]``."""
     raise NotImplementedError
 
-  def _schedule(self, *, lam, eta, depth, dtype):
+  def gd_basis(self, *, depth: int, dtype=None) -> ElsaParams:
+    r"""The components of :meth:`gd_params` with ``lam`` and ``eta`` taken out: ``[depth, C, ...]``.
+
+    With ``a = gd_coefficients(lam=lam, eta=eta, depth=depth)``,
+    ``elsa.elsa_stack(gd_basis(depth=L), h, coeffs=a)`` computes
+    ``elsa.elsa_stack(gd_params(lam=lam, eta=eta, depth=L), h)``: the
+    decayed skip is the identity with its output columns scaled by
+    ``diag(D)``, ``D = diag(1 on x, y, z; 1 - eta_t lam on p)``, and the
+    gradient head is linear in ``eta``,
+
+    .. math::
+      h \mapsto h\, D_t + \eta_t\, \mathrm{head}_1(h).
+
+    So the components are :func:`elsa.constructions.identity` and
+    :meth:`gradient_head` with ``eta = 1`` (and, for
+    :class:`~elsa.forms.Natural`, its query move): ``C`` as in
+    :meth:`gd_params`. They do not depend on ``lam`` or ``eta``, so one basis
+    serves every item of a sweep, and the items' projections run as one
+    matmul instead of one parameter stack per item.
+
+    Args:
+      depth: number of layers ``L >= 1`` (static).
+      dtype: floating dtype of every leaf (default: JAX's default float).
+
+    Raises:
+      ValueError: ``depth`` is not an int >= 1.
+      TypeError: ``dtype`` is not floating.
+    """
+    self._check_int(self._name("gd_basis"), "depth", depth, low=1)
+    dtype = self._float_dtype("gd_basis", dtype)
+    return self._jit("_gd_basis", depth=depth, dtype=dtype)
+
+  def gd_coefficients(self, *, lam, eta, depth: int, dtype=None) -> Array:
+    r"""Per-column coefficients ``[depth, C, n]`` of :meth:`gd_basis`, the ``coeffs`` of :func:`elsa.elsa_stack`.
+
+    Layer ``t``: the diagonal of ``D_t`` (1, and ``1 - eta_t lam`` on the p
+    columns) for the skip, ``eta_t`` on every column for the gradient head
+    (whose output is zero outside the p columns), and 1 for
+    :class:`~elsa.forms.Natural`'s query move. Arguments, defaults and
+    errors as in :meth:`gd_params`; for a batch of items, vmap over ``lam``
+    and ``eta``.
+    """
+    lam, etas = self._schedule(lam=lam, eta=eta, depth=depth, dtype=dtype,
+                               method="gd_coefficients")
+    return self._jit("_gd_coefficients", lam, etas)
+
+  def _gd_basis(self, *, depth: int, dtype) -> ElsaParams:
+    """The layers of :meth:`gd_basis` (set by the subclass)."""
+    raise NotImplementedError
+
+  def _basis_components(self, dtype) -> list[ElsaParams]:
+    """The identity and the gradient head with ``eta = 1``."""
+    return [constructions.identity(self.m, self.n, dtype=dtype),
+            self.gradient_head(eta=1, dtype=dtype)]
+
+  def _gd_coefficients(self, lam: Array, etas: Array) -> Array:
+    """``[L, 2, n]``: the coefficients of :meth:`_basis_components`."""
+    is_p = jnp.zeros(self.n, bool).at[self.p_cols].set(True)
+    skip = jnp.where(is_p, 1 - etas[:, None] * lam, jnp.ones((), etas.dtype))
+    head = jnp.broadcast_to(etas[:, None], skip.shape)
+    return jnp.stack([skip, head], axis=1)
+
+  def _schedule(self, *, lam, eta, depth, dtype, method="gd_params"):
     """Validates ``lam, eta, depth``; returns ``lam`` and ``eta`` as ``[depth]``."""
-    method = "gd_params"
     self._check_int(self._name(method), "depth", depth, low=1)
     dtype = self._float_dtype(method, dtype, lam, eta)
     lam, eta = self._scalar(method, "lam", lam, dtype), jnp.asarray(eta, dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from elsa import constructions
 from elsa.attention import Array, ElsaParams
 from elsa.forms._base import GDForm
 
@@ -64,3 +65,8 @@ class Designed(GDForm):
   def _gd_stack(self, lam, etas) -> ElsaParams:
     """Every layer is :meth:`gd_layer`: ``C = 2``."""
     return self.gd_layers(lam=lam, etas=etas)
+
+  def _gd_basis(self, *, depth, dtype) -> ElsaParams:
+    """Every layer is :meth:`_basis_components`: ``C = 2``."""
+    layer = constructions.layer(*self._basis_components(dtype))
+    return ElsaParams(*(jnp.broadcast_to(a, (depth, *a.shape)) for a in layer))

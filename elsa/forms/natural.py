@@ -111,3 +111,23 @@ class Natural(GDForm):
     if etas.shape[0] == 1:
       return constructions.stack(first)
     return constructions.stack(first, self.gd_layers(lam=lam, etas=etas[1:]))
+
+  def _gd_basis(self, *, depth, dtype) -> ElsaParams:
+    """Layer 1: :meth:`_basis_components` and the query move; the rest:
+    :meth:`_basis_components` (padded). ``C`` as in :meth:`gd_params`."""
+    parts = self._basis_components(dtype)
+    if self.n_query:
+      parts.append(self.move_queries(dtype=dtype))
+    first = constructions.layer(*parts)
+    if depth == 1:
+      return constructions.stack(first)
+    rest = constructions.layer(*self._basis_components(dtype))
+    return constructions.stack(first, ElsaParams(*(
+        jnp.broadcast_to(a, (depth - 1, *a.shape)) for a in rest)))
+
+  def _gd_coefficients(self, lam, etas) -> Array:
+    """Those of :class:`GDForm`, and 1 for the query move (zero after layer 1)."""
+    coeffs = super()._gd_coefficients(lam, etas)
+    if not self.n_query:
+      return coeffs
+    return jnp.concatenate([coeffs, jnp.ones_like(coeffs[:, :1])], axis=1)

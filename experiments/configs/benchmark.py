@@ -6,9 +6,9 @@ Speed of the ELSA primitive, of deep stacks and of the sweep's own kernel
 ``--config=experiments/configs/benchmark.py:quick`` shrinks every part to
 seconds (what tests/test_benchmark_driver.py runs). Override any field, e.g.
 ``--config.tokens='(1024, 4096)' --config.reps=11``. The default takes about a
-minute on 2 quiet CPU cores (2 under load); the same command runs unchanged on a GPU or TPU.
-``--config.dtype=float64`` turns on ``jax_enable_x64`` for the run and
-restores the previous setting after it.
+few minutes on 2 quiet CPU cores (float32 and float64); the same command runs
+unchanged on a GPU or TPU. With float64 in ``dtypes`` the run turns on
+``jax_enable_x64`` and restores the previous setting after it.
 """
 
 import ml_collections
@@ -21,9 +21,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = common.variant("benchmark", arg, ("quick",))
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.dtype = "float32"  # or "float64"
-  # Timing: `warmup` untimed calls, then the median of `reps` timed calls,
-  # fewer (but at least `min_reps`) once one case has run `max_case_s`.
+  # Parts 1 and 3 run in each dtype; part 2 (compile time) in the first.
+  config.dtypes = ("float32", "float64")
+  # Timing: `warmup` untimed rounds, then `reps` timed rounds, fewer (but at
+  # least `min_reps`) once one case has run `max_case_s`. A round calls each
+  # function of a case once, in turn: ratios are medians of per-round ratios.
   config.warmup = 2
   config.reps = 7
   config.min_reps = 3
@@ -53,12 +55,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.compile_reps = 3
 
   # Part 3, the sweep kernel (experiments.sweep.build_measure) on the sweep's
-  # flat (lambda, eta, task) batch, against elsa.ridge.gd on the same items.
-  # Task shape and depth are the default sweep's (configs/sweep.py).
+  # flat (lambda, eta, task) batch (experiments.sweep.grid_items), against
+  # elsa.ridge.gd on the same items and a square matmul of
+  # square_matmul_size. Task shape and depth are the default sweep's
+  # (configs/sweep.py).
   config.sweep_form = "designed"
   config.sweep_n_train = 20
   config.sweep_d = 5
   config.sweep_n_query = 4
+  config.sweep_noise = 0.1
   config.sweep_depth = 50
   config.sweep_lams = (0.0, 0.1)
   # Step sizes as fractions of each task's stability limit (all < 1: stable).
