@@ -239,6 +239,7 @@ def _layer(p: ElsaParams, h: Array, precision, coeffs=None) -> Array:
     # [C, m, .] -> [m, C, .] lines up with [..., m, C, .].
     keys = ein("...mn,cnk->...mck", h, p.w1) + jnp.moveaxis(p.b1, 0, 1)
     values = ein("...mn,cnv->...mcv", h, p.w2) + jnp.moveaxis(p.b2, 0, 1)
+    # Elementwise in the dtype of h: exact at any matmul precision.
     s = jnp.sum(keys[..., :, None] * values[..., None, :], axis=-4)
   else:
     # Biases [C, m, .] line up with [C, ..., m, .] as [C, 1.., m, .].
@@ -289,7 +290,8 @@ def _coefficients(coeffs, p: ElsaParams, h: Array, *, lead: tuple[str, ...],
         f"{names}, {v}] (per output column) or [..., {names}, 1] (one scalar "
         f"per component), the leading axes of p, got shape {shape}.")
   try:
-    batch = jnp.broadcast_shapes(jnp.shape(h)[:-2], shape[:len(shape) - tail])
+    batch = jnp.broadcast_shapes(jnp.shape(h)[:-2],
+                                 shape[:len(shape) - tail])
   except ValueError:
     raise ValueError(f"{fn}: the batch axes of coeffs {shape} (all but the "
                      f"last {tail}) must broadcast with those of h "
@@ -297,9 +299,9 @@ def _coefficients(coeffs, p: ElsaParams, h: Array, *, lead: tuple[str, ...],
   h = jnp.broadcast_to(h, (*batch, *jnp.shape(h)[-2:]))
   coeffs = jnp.broadcast_to(coeffs, (*batch, *want, shape[-1]))
   # [*batch, (L,) C, v] -> [(L,) *batch, C, v]
-  layer_axes = len(lead) - 1
-  return h, jnp.moveaxis(coeffs, tuple(range(len(batch), len(batch) + layer_axes)),
-                         tuple(range(layer_axes)))
+  layer_axes = range(len(lead) - 1)
+  return h, jnp.moveaxis(coeffs, [len(batch) + i for i in layer_axes],
+                         list(layer_axes))
 
 
 def elsa_layer(p: ElsaParams, h: Array, *, coeffs=None, precision=None
