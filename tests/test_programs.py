@@ -142,3 +142,425 @@ def test_jit_traced_scalars_compile_once_and_vmap_over_a_grid():
     assert got.shape == (9, d, 1)
     assert rel(got, jax.vmap(reference)(lams + shift, etas)) < F64_RTOL
   assert traces["grid"] == 1
+
+
+# --- the hand-built forms, reproduced by compiled programs --------------------
+
+
+def test_compiled_ridge_gd_reproduces_the_natural_form_at_depth_50():
+  """From the same natural tokens, layer ``1 + t`` of the compiled program is
+  the Natural form's layer ``t`` (the compiled one spends a set-up layer on
+  ``r = y``), and the final read-out equals the form's predictions."""
+  from elsa import algorithms
+  N, d, Q, L, lam = 16, 4, 3, 50, 0.2
+  rng = np.random.default_rng(50)
+  x, yv = rng.normal(size=(N, d)), rng.normal(size=(N, 1))
+  xq = rng.normal(size=(Q, d))
+  eta = 0.9 * float(ridge.stability_limit(x, lam=lam))
+  form = elsa.forms.Natural(n_train=N, d=d, n_query=Q, n_out=1)
+  hand = elsa.elsa_stack(form.gd_params(lam=lam, eta=eta, depth=L),
+                         form.encode(x, yv, x_query=xq), return_all=True)
+  compiled = programs.compile(algorithms.ridge_gd(n_train=N, d=d, n_query=Q))
+  assert compiled.setup_layers == 1
+  # Same tokens as encoded: the program pins X, y, Xq where the form puts them.
+  h0 = compiled.encode(X=x, y=yv, Xq=xq)
+  np.testing.assert_array_equal(h0[:, :d + 1], form.encode(
+      x, yv, x_query=xq)[:compiled.m, :d + 1])
+  hs = elsa.elsa_stack(compiled.params(loops=L, lam=lam, eta=eta), h0,
+                       return_all=True)
+  w_hand = form.decode_w(hand)[:, :, None]
+  assert rel(compiled.read(hs, "w")[1:L + 2], w_hand) < 1e-12
+  pred = compiled.read(hs, "p")[-1]
+  assert rel(pred, form.decode_pred(hand[-1])[:, None]) < 1e-12
+
+
+def test_compiled_newton_schulz_reproduces_the_newton_form():
+  from elsa import algorithms
+  N, d, Q, T, lam = 24, 5, 2, 8, 0.05
+  rng = np.random.default_rng(8)
+  x, yv = rng.normal(size=(N, d)), rng.normal(size=(N, 1))
+  xq = rng.normal(size=(Q, d))
+  form = elsa.forms.Newton(n_train=N, d=d, n_query=Q, n_out=1)
+  alpha = form.safe_alpha(x, lam=lam)
+  hand = elsa.elsa_stack(form.newton_params(lam=lam, alpha=alpha, depth=T),
+                         form.encode(x, yv, x_query=xq), return_all=True)
+  compiled = programs.compile(algorithms.newton_schulz(n_train=N, d=d,
+                                                       n_query=Q))
+  assert compiled.setup_layers == form.setup_layers == 2
+  hs = elsa.elsa_stack(compiled.params(loops=T, lam=lam, alpha=alpha),
+                       compiled.encode(X=x, y=yv, Xq=xq), return_all=True)
+  s = form.setup_layers
+  w_hand = form.decode_w(hand)[s:, :, None]
+  assert rel(compiled.read(hs, "w")[s:s + T + 1], w_hand) < 1e-12
+  assert rel(compiled.read(hs, "M")[s:s + T + 1],
+             form.decode_inverse(hand)[s:]) < 1e-12
+  # Layer s + t holds GD step 2^t; the last layer reads out x_q^T w.
+  gd = ridge.gd(x, yv, lam=lam, eta=alpha, steps=2 ** 5)
+  assert rel(compiled.read(hs, "w")[s + 5], gd[-1]) < 1e-10
+  assert rel(compiled.read(hs, "p")[-1], form.decode_pred(hand[-1])[:, None]
+             ) < 1e-12
+
+
+# --- layout as data and as a table ---------------------------------------------
+
+
+def test_layout_is_data_encode_places_blocks_there_and_the_table_names_them():
+  N, d = 6, 2
+  x, yv = regression(3, (), N, d)
+  ex = design_example(N, d, 2, x, yv)
+  compiled, h0 = ex["compiled"], ex["h0"]
+  layout = compiled.layout
+  assert set(layout) == {"X", "y", "w", "r"}
+  cells = set()
+  for name, (rows, cols) in layout.items():
+    block = {"X": x, "y": yv}.get(name)
+    got = np.asarray(h0)[np.ix_(rows, cols)]
+    np.testing.assert_array_equal(got, 0 if block is None else block)
+    new = {(r, c) for r in rows for c in cols}
+    assert not cells & new, name  # blocks never share a cell
+    cells |= new
+  # Everything outside the blocks is zero.
+  mask = np.zeros((compiled.m, compiled.n), bool)
+  for r, c in cells:
+    mask[r, c] = True
+  assert not np.asarray(h0)[~mask].any()
+  text = str(compiled)
+  for name in layout:
+    assert name in text
+  assert f"m = {compiled.m} tokens, n = {compiled.n} features" in text
+  assert repr(compiled).startswith(f"Compiled(m={compiled.m}, n={compiled.n}")
+
+
+def test_encode_takes_a_state_start_value_and_broadcasts_batch_axes():
+  prog = programs.Program()
+  X = prog.input("X", (5, 3))
+  w = prog.state("w", (3, 2))
+  v = prog.state("v", (5, 2))
+  prog.loop({w: 0.5 * w, v: X @ w})
+  compiled = programs.compile(prog)
+  rng = np.random.default_rng(4)
+  x, w0 = rng.normal(size=(2, 1, 5, 3)), rng.normal(size=(4, 3, 2))
+  h0 = compiled.encode(X=x, w=w0)
+  assert h0.shape == (2, 4, compiled.m, compiled.n)
+  hs = elsa.elsa_stack(compiled.params(loops=3), h0, return_all=True)
+  ref = programs.run(prog, loops=3, X=x, w=w0)
+  assert ref["w"].shape == (4, 2, 4, 3, 2)
+  assert_every_layer(compiled, hs, ref, F64_RTOL)
+
+
+# --- random programs -----------------------------------------------------------
+
+# Two token groups: blocks of 4 rows and blocks of 3 rows (their columns 3 or 4
+# too, so that every kind of term has operands of matching shapes).
+DIMS = (3, 4)
+
+
+@st.composite
+def random_programs(draw):
+  """A program mixing every kind of term over two token groups.
+
+  Returns ``(prog, inputs, scalars, loops)``. Coefficients are small and the
+  constants scaled by ``1/sqrt(size)`` so values stay of order one over the
+  loops, where a relative comparison is meaningful.
+  """
+  rng = np.random.default_rng(draw(st.integers(0, 2 ** 31 - 1)))
+  prog = programs.Program()
+  shape = lambda: (draw(st.sampled_from(DIMS)), draw(st.sampled_from(DIMS)))
+  inputs = [prog.input(f"U{i}", (r, r2)) for i, (r, r2) in
+            enumerate([(3, 3), (4, 3)] + [shape() for _ in range(
+                draw(st.integers(0, 1)))])]
+  s, t = prog.scalar("s"), prog.scalar("t")
+  coefs = [0.3, -0.2, 0.25 * s, 0.2 * (1 - t), s * t / 2]
+
+  def const(rows, cols):
+    return programs.constant(rng.normal(size=(rows, cols)) / np.sqrt(
+        rows * cols))
+
+  def term(kind, target, blocks):
+    tr, tc = target
+    by_rows = lambda r: [b for b in blocks if b.shape[0] == r]
+    pick = lambda options: options[draw(st.integers(0, len(options) - 1))]
+    coef = pick(coefs)
+    if kind == "constant":
+      return coef * const(tr, tc)
+    if kind == "copy":
+      a = pick(blocks)
+      if a.shape == target and draw(st.booleans()):
+        return coef * a  # the column mix
+      return coef * (const(tr, a.shape[0]) @ a @ const(a.shape[1], tc))
+    if kind == "transpose":
+      a = pick(blocks)
+      return coef * (const(tr, a.shape[1]) @ a.T @ const(a.shape[0], tc))
+    if kind == "gram":
+      b = pick(blocks)
+      c = pick(by_rows(b.shape[0]))
+      return coef * (const(tr, b.shape[1]) @ b.T @ c @ const(c.shape[1], tc))
+    a = pick(by_rows(tr))
+    if kind == "product2":
+      b = pick(by_rows(a.shape[1]))
+      return coef * (a @ b @ const(b.shape[1], tc))
+    b = pick([b for b in blocks if b.shape[1] == a.shape[1]])
+    c = pick(by_rows(b.shape[0]))
+    return coef * (a @ b.T @ c @ const(c.shape[1], tc))
+
+  # States: one of each row count, so every kind has a left factor, and some
+  # with an init (set-up layers) computed from the inputs.
+  states = []
+  for i, rows in enumerate((3, 4) + tuple(draw(st.lists(
+      st.sampled_from(DIMS), max_size=1)))):
+    shape_i = (rows, draw(st.sampled_from(DIMS)))
+    init = None
+    if draw(st.booleans()):
+      init = term(draw(st.sampled_from(programs.language.KINDS)), shape_i,
+                  inputs)
+    states.append(prog.state(f"S{i}", shape_i, init=init))
+  blocks = inputs + states
+  # Every kind appears in the loop, spread over the states.
+  kinds = list(programs.language.KINDS) + draw(st.lists(
+      st.sampled_from(programs.language.KINDS), max_size=3))
+  kinds = [kinds[i] for i in draw(st.permutations(range(len(kinds))))]
+  if draw(st.booleans()):
+    prog.layer({states[0]: term("product3", states[0].shape, blocks)
+                + 0.5 * states[0]})
+  body = {}
+  for i, kind in enumerate(kinds):
+    target = states[i % len(states)]
+    expr = term(kind, target.shape, blocks)
+    body[target] = expr if target not in body else body[target] + expr
+  prog.loop(body)
+  if draw(st.booleans()):
+    prog.layer({states[1]: term("gram", states[1].shape, blocks)})
+  values = {b.block.name: rng.normal(size=b.shape) / 2 for b in inputs}
+  scalars = {"s": rng.uniform(-1, 1), "t": rng.uniform(-1, 1)}
+  return prog, values, scalars, draw(st.integers(3, 6))
+
+
+@settings(max_examples=30)
+@given(random_programs())
+def test_random_programs_compile_to_their_interpreter_at_every_layer(case):
+  prog, inputs, scalars, loops = case
+  compiled = programs.compile(prog)
+  assert set(KINDS) >= {k for layer in compiled.components for k in layer}
+  hs = elsa.elsa_stack(compiled.params(loops=loops, **scalars),
+                       compiled.encode(**inputs), return_all=True)
+  ref = programs.run(prog, loops=loops, **inputs, **scalars)
+  for name, want in ref.items():
+    assert np.isfinite(want).all() and np.abs(want).max() < 1e6, name
+  assert_every_layer(compiled, hs, ref, F64_RTOL)
+
+
+def test_random_programs_cover_every_kind_of_component():
+  """The generator above is not vacuous: across its first examples, every
+  kind of component occurs in compiled layers."""
+  seen = set()
+
+  @settings(max_examples=15)
+  @given(random_programs())
+  def collect(case):
+    seen.update(k for layer in programs.compile(case[0]).components
+                for k in layer)
+
+  collect()
+  assert seen == KINDS
+
+
+# --- float32 ---------------------------------------------------------------------
+
+# Measured worst relative error of any block at any layer against the float64
+# interpreter, three draws (BUILD_NOTES.md, "Matrix programs"): DESIGN example,
+# 20 loops, 2.5e-6; Newton-Schulz, 10 loops, 4e-7. Asserted with headroom.
+F32_BOUND = 2e-5
+
+
+@pytest.mark.parametrize("which", ["design", "newton_schulz"])
+def test_float32_stack_is_within_the_measured_bound(which):
+  from elsa import algorithms
+  N, d, L = 20, 4, (20 if which == "design" else 10)
+  x, yv = regression(32, (), N, d)
+  if which == "design":
+    prog = design_example(N, d, 1, x, yv)["prog"]
+    inputs, scalars = dict(X=x, y=yv), dict(lam=0.1, eta=0.05)
+  else:
+    prog = algorithms.newton_schulz(n_train=N, d=d, n_query=2)
+    xq = regression(33, (), 2, d)[0]
+    inputs = dict(X=x, y=yv, Xq=xq)
+    scalars = dict(lam=0.1, alpha=float(elsa.forms.Newton.safe_alpha(x,
+                                                                     lam=0.1)))
+  compiled = programs.compile(prog)
+  f32 = {k: np.float32(v) for k, v in scalars.items()}
+  hs = elsa.elsa_stack(compiled.params(loops=L, **f32),
+                       compiled.encode(**{k: v.astype(np.float32)
+                                          for k, v in inputs.items()}),
+                       return_all=True)
+  assert hs.dtype == jnp.float32
+  ref = programs.run(prog, loops=L, **inputs, **scalars)
+  worst = max(rel(compiled.read(hs, name)[t], ref[name][t])
+              for name in ref if name != "Xq"
+              for t in range(compiled.relocation_layers, ref[name].shape[0]))
+  assert worst < F32_BOUND, worst
+
+
+# --- refusals ---------------------------------------------------------------------
+
+
+def _ridge_blocks():
+  prog = programs.Program()
+  X, y = prog.input("X", (5, 3)), prog.input("y", (5, 1))
+  w, r = prog.state("w", (3, 1)), prog.state("r", (5, 1))
+  return prog, X, y, w, r
+
+
+BUILD_REFUSALS = [
+    # (label, statement, error type, message pattern)
+    ("four blocks", lambda p, X, y, w, r: p.loop({w: X.T @ X @ X.T @ r}),
+     ValueError, r"loop 1, w = .*`X\.T @ X @ X\.T @ r`.*multiplies 4 blocks.*"
+     r"Keep a partial product \(e\.g\. `X\.T @ r`\) as its own state"),
+    ("block / block", lambda p, X, y, w, r: w / w, TypeError,
+     r"w / w divides by a block.*runtime scalar"),
+    ("number / block", lambda p, X, y, w, r: 1 / w, TypeError,
+     r"divides by a block"),
+    ("elementwise", lambda p, X, y, w, r: w * w, TypeError,
+     r"w \* w multiplies blocks elementwise.*use @"),
+    ("power", lambda p, X, y, w, r: w ** 2, TypeError,
+     r"w \*\* \.\.\. is not compilable; write the product with @"),
+    ("numpy nonlinearity", lambda p, X, y, w, r: np.tanh(w), TypeError,
+     r"w is a symbolic block.*nonlinearities"),
+    ("jax.numpy conversion", lambda p, X, y, w, r: jnp.asarray(w), TypeError,
+     r"w is a symbolic block.*nonlinearities"),
+    ("jax.numpy nonlinearity", lambda p, X, y, w, r: jnp.tanh(w), TypeError,
+     r"Expr"),
+    ("truth value", lambda p, X, y, w, r: bool(w),
+     TypeError, r"w has no truth value.*control flow"),
+    ("data-dependent scalar", lambda p, X, y, w, r: w * jnp.float64(2.0),
+     TypeError, r"is not a scalar.*not data-dependent"),
+    ("constant between blocks",
+     lambda p, X, y, w, r: p.loop({r: X @ programs.eye(3) @ w}), ValueError,
+     r"loop 1, r = .*a constant stands between two blocks.*own state"),
+    ("constant left of a product",
+     lambda p, X, y, w, r: p.loop({r: programs.eye(5) @ X @ w}), ValueError,
+     r"lands in the rows of its left block.*keep `P @ A` as its own state"),
+    ("three blocks, middle not transposed",
+     lambda p, X, y, w, r: p.loop({w: X.T @ X @ w}), ValueError,
+     r"`X\.T @ X @ w`.*`A @ B\.T @ C`.*symmetric=True"),
+    ("two blocks, both transposed",
+     lambda p, X, y, w, r: (lambda A, B: p.loop({A: A.T @ B.T}))(
+         p.state("A", (3, 3)), p.state("B", (3, 3))), ValueError,
+     r"`A\.T @ B\.T`.*of two blocks one component computes `A @ B` or "
+     r"`B\.T @ C`; declare the transposed block symmetric=True"),
+    ("two blocks, right transposed",
+     lambda p, X, y, w, r: (lambda A, B: p.loop({A: A @ B.T}))(
+         p.state("A", (3, 3)), p.state("B", (3, 3))), ValueError,
+     r"`A @ B\.T`.*of two blocks"),
+    ("add shapes", lambda p, X, y, w, r: w + r, ValueError,
+     r"cannot add shapes \[3, 1\] and \[5, 1\]"),
+    ("matmul shapes", lambda p, X, y, w, r: w @ r, ValueError,
+     r"cannot multiply \[3, 1\] @ \[5, 1\]"),
+    ("assigned shape", lambda p, X, y, w, r: p.loop({w: X.T @ X}), ValueError,
+     r"loop 1, w = X\.T @ X: shape \[3, 3\] but w is \[3, 1\]"),
+    ("init reads a state",
+     lambda p, X, y, w, r: p.state("s", (5, 1), init=r), ValueError,
+     r"init of s reads the state r"),
+    ("init not an expression",
+     lambda p, X, y, w, r: p.state("s", (5, 1), init=np.ones((5, 1))),
+     TypeError, r"init of s must be an expression"),
+    ("assign an input", lambda p, X, y, w, r: p.loop({X: X}), ValueError,
+     r"X is an input; only states are assigned"),
+    ("assign a non-block", lambda p, X, y, w, r: p.loop({"w": w}), TypeError,
+     r"assignment targets are states of this program"),
+    ("not a dict", lambda p, X, y, w, r: p.loop([(w, w)]), TypeError,
+     r"takes a dict"),
+    ("duplicate name", lambda p, X, y, w, r: p.state("w", (3, 1)), ValueError,
+     r"'w' is already declared"),
+    ("bad shape", lambda p, X, y, w, r: p.state("s", (3, 0)), ValueError,
+     r"s needs a shape \(rows, cols\) of positive ints"),
+    ("symmetric, not square",
+     lambda p, X, y, w, r: p.state("s", (3, 2), symmetric=True), ValueError,
+     r"s is declared symmetric but has shape \[3, 2\]"),
+    ("pin of the wrong size",
+     lambda p, X, y, w, r: p.input("Z", (2, 2), at=((0, 1), (0,))), ValueError,
+     r"input Z of shape \[2, 2\] needs at=\(rows, cols\)"),
+    ("pins on the same cells",
+     lambda p, X, y, w, r: (p.input("Z", (2, 2), at=((0, 1), (0, 1))),
+                            p.input("Z2", (2, 2), at=((1, 2), (1, 2)))),
+     ValueError, r"input Z2 is pinned to cells that input Z holds.*\(1, 1\)"),
+]
+
+
+@pytest.mark.parametrize("label,statement,error,pattern", BUILD_REFUSALS,
+                         ids=[r[0] for r in BUILD_REFUSALS])
+def test_refused_when_the_program_is_built(label, statement, error, pattern):
+  del label
+  with pytest.raises(error, match=pattern):
+    statement(*_ridge_blocks())
+
+
+def test_a_block_of_another_program_is_refused():
+  prog, X, y, w, r = _ridge_blocks()
+  other = programs.Program().state("z", (3, 1))
+  with pytest.raises(ValueError, match=r"reads z, a block of another program"):
+    prog.loop({w: other})
+
+
+def test_refused_when_the_program_is_compiled():
+  with pytest.raises(ValueError, match="declares no state"):
+    programs.compile(programs.Program())
+  prog, *_ = _ridge_blocks()
+  with pytest.raises(ValueError, match="has no layer"):
+    programs.compile(prog)
+  with pytest.raises(TypeError, match="expected a Program"):
+    programs.compile("w = w")
+  # Two pinned inputs that a term puts on the same tokens, pinned apart.
+  prog = programs.Program()
+  U = prog.input("U", (2, 2), at=((0, 1), (0, 1)))
+  V = prog.input("V", (2, 2), at=((2, 3), (2, 3)))
+  s = prog.state("s", (2, 2))
+  prog.loop({s: U.T @ V})
+  with pytest.raises(ValueError, match=r"pinned inputs \['U', 'V'\] share "
+                     r"tokens .* pinned to different rows"):
+    programs.compile(prog)
+  # Two token groups pinned to overlapping rows.
+  prog = programs.Program()
+  prog.input("U", (2, 2), at=((0, 1), (0, 1)))
+  prog.input("V", (3, 2), at=((1, 2, 3), (2, 3)))
+  s = prog.state("s", (2, 2))
+  prog.loop({s: 2 * s})
+  with pytest.raises(ValueError, match=r"row 1 is pinned for two token groups"):
+    programs.compile(prog)
+
+
+def test_parameters_encode_and_run_refuse_bad_arguments():
+  N, d = 6, 2
+  x, yv = regression(5, (), N, d)
+  ex = design_example(N, d, 2, x, yv)
+  compiled, prog = ex["compiled"], ex["prog"]
+  with pytest.raises(ValueError, match=r"scalars \['eta'\] are missing and "
+                     r"\['mu'\] are not declared"):
+    compiled.params(loops=2, lam=0.1, mu=1.0)
+  with pytest.raises(ValueError, match=r"eta must be a scalar or a schedule of "
+                     r"shape \(3,\) for loops=3, got shape \(2,\)"):
+    compiled.params(loops=3, lam=0.1, eta=np.ones(2))
+  with pytest.raises(ValueError, match=r"loops must be an int >= 0"):
+    compiled.params(loops=-1, lam=0.1, eta=0.1)
+  with pytest.raises(ValueError, match=r"inputs \['y'\] are missing"):
+    compiled.encode(X=x)
+  with pytest.raises(ValueError, match=r"r has an init expression"):
+    compiled.encode(X=x, y=yv, r=yv)
+  with pytest.raises(ValueError, match=r"X must have shape \[\.\.\., 6, 2\]"):
+    compiled.encode(X=x.T, y=yv)
+  with pytest.raises(TypeError, match=r"dtypes \['float32', 'float64'\]"):
+    compiled.encode(X=x.astype(np.float32), y=yv)
+  with pytest.raises(ValueError, match=r"no block 'v'"):
+    compiled.read(ex["hs"], "v")
+  with pytest.raises(ValueError, match=r"h must have shape \[\.\.\., "):
+    compiled.read(ex["hs"][..., :-1], "w")
+  with pytest.raises(ValueError, match=r"inputs \['y'\] are missing"):
+    programs.run(prog, loops=2, X=x, lam=0.1, eta=0.1)
+  # A schedule for a scalar that a layer applied once reads.
+  p2 = programs.Program()
+  w = p2.state("w", (2, 1))
+  s = p2.scalar("s")
+  p2.layer({w: s * programs.constant(np.ones((2, 1)))})
+  p2.loop({w: s * w})
+  with pytest.raises(ValueError, match=r"s is a schedule of shape \(4,\) but a "
+                     r"layer applied once"):
+    programs.compile(p2).params(loops=4, s=np.ones(4))

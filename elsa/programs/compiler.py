@@ -201,7 +201,7 @@ class Compiled:
         parts.append(build({k: v for k, v in values.items() if v.ndim == 0}))
       elif loops:
         per_loop = {k: jnp.broadcast_to(v, (loops,)) for k, v in values.items()}
-        parts.append(jax.vmap(build)(per_loop))
+        parts.append(jax.vmap(build, axis_size=loops)(per_loop))
     return constructions.stack(*parts)
 
 

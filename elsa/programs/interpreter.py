@@ -105,6 +105,6 @@ def run(prog: Program, *, loops: int, dtype=None, **kwargs) -> dict[str, Array]:
       new = _apply(stage, state, scalar_t, dtype)
       return new, new
 
-    _, states = jax.lax.scan(body, history[-1], per_loop)
+    _, states = jax.lax.scan(body, history[-1], per_loop, length=loops)
     history.extend({k: v[t] for k, v in states.items()} for t in range(loops))
   return {name: jnp.stack([h[name] for h in history]) for name in prog.blocks}

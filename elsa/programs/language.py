@@ -236,7 +236,10 @@ class Expr:
   def __array__(self, *args, **kwargs):
     raise TypeError(_REFUSE_ARRAY.format(name=self.text()))
 
+  @property
   def __jax_array__(self):
+    # A property, so that the refusal is raised where jax.numpy first looks
+    # for the hook (functions under jit still name the type Expr).
     raise TypeError(_REFUSE_ARRAY.format(name=self.text()))
 
   def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -453,6 +456,16 @@ class Program:
         if len(set(ax)) != len(ax) or min(ax) < 0:
           raise ValueError(f"programs: input {name}: at {label} must be "
                            f"distinct non-negative ints, got {list(ax)}.")
+      for other in self.inputs:
+        if other.at is not None:
+          shared = [(r, c) for r in at[0] if r in other.at[0]
+                    for c in at[1] if c in other.at[1]]
+          if shared:
+            raise ValueError(f"programs: input {name} is pinned to cells that "
+                             f"input {other.name} holds (row, col) "
+                             f"{shared[:3]}{' ...' if len(shared) > 3 else ''}"
+                             "; pinned inputs may share rows or columns, not "
+                             "cells.")
     self._check_symmetric(name, shape, symmetric)
     block = Block(name, shape, "input", symmetric, at, program=self)
     self.blocks[name] = block
