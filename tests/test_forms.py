@@ -6,6 +6,7 @@ largest absolute deviation over all steps, tasks and entries, divided by the
 largest absolute entry of the reference trajectory.
 """
 
+import dataclasses
 import functools
 import zlib
 
@@ -415,3 +416,18 @@ def test_basis_and_coefficients_validate():
     form.gd_coefficients(lam=jnp.ones(2), eta=0.1, depth=3)
   with pytest.raises(TypeError, match="dtype must be floating"):
     form.gd_basis(depth=3, dtype=jnp.int32)
+
+
+def test_forms_are_frozen_values():
+  """Forms are static arguments of jit: equal by type and sizes, hashable,
+  immutable once built (their row and column blocks derive from the sizes)."""
+  a = forms.Natural(n_train=6, d=2, n_query=1)
+  assert a == forms.Natural(n_train=6, d=2, n_query=1)
+  assert hash(a) == hash(forms.Natural(n_train=6, d=2, n_query=1))
+  assert a != forms.Designed(n_train=6, d=2, n_query=1)
+  assert a != forms.Natural(n_train=6, d=2, n_query=2)
+  assert repr(a) == "Natural(n_train=6, d=2, n_query=1, n_out=1)"
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    a.d = 3
+  with pytest.raises(TypeError):
+    forms.Natural(6, 2)  # keyword-only, as everywhere in the library

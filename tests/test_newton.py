@@ -315,9 +315,9 @@ def test_params_validate_once_and_compile_once(monkeypatch):
     np.testing.assert_allclose(a, b, rtol=1e-15, atol=0)
   # Built by one compiled function per form, depth and dtype: another lam,
   # alpha reuses it.
-  from elsa.forms import _tokens
-  size = _tokens._jitted._cache_size()
+  from elsa.forms import _token_form
+  size = _token_form._jitted._cache_size()
   form.newton_params(lam=0.5, alpha=0.1, depth=4)
-  assert _tokens._jitted._cache_size() == size + 1
+  assert _token_form._jitted._cache_size() == size + 1
   form.newton_params(lam=0.2, alpha=0.2, depth=4)
-  assert _tokens._jitted._cache_size() == size + 1
+  assert _token_form._jitted._cache_size() == size + 1

@@ -9,7 +9,7 @@
   step ``2^t``.
 
 Every form lays out ``m = N + Q + d`` tokens by ``n`` features and has
-``encode``; from the base ``TokenForm`` (``elsa.forms._tokens``) all share
+``encode``; from the base ``TokenForm`` (``elsa.forms._token_form``) all share
 ``m``, ``n``, ``decode_w``, ``decode_pred``, the input checks, value equality
 and hashing (forms are static arguments of :func:`jax.jit`). :class:`GDForm`
 is the base of the two GD forms (``Designed``, ``Natural``), which share one
@@ -17,7 +17,7 @@ layout and add ``decode_train_pred`` and ``gd_params``; ``Newton`` has its
 own layout and ``newton_params``, ``decode_inverse``, ``decode_gram``.
 """
 
-from elsa.forms._base import GDForm
+from elsa.forms._gd_form import GDForm
 from elsa.forms.designed import Designed
 from elsa.forms.natural import Natural
 from elsa.forms.newton import Newton

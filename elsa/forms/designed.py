@@ -1,7 +1,7 @@
 r"""The Designed input form: one ELSA layer of two components per GD step, any start w0.
 
-Layout (see :mod:`elsa.forms._base`): rows ``[N examples | Q queries | d
-w-rows]``, columns ``[x (d) | y (k) | z (d) | p (k)]``. The initial state holds
+Layout (see :mod:`elsa.forms._gd_form`): rows ``[N examples | Q queries | d
+w-rows]``, columns ``[x (d) | y (n_out) | z (d) | p (n_out)]``. The initial state holds
 ``w0`` and every prediction ``x^T w0``; queries sit in the ``z`` columns from
 the start, so they never enter the gradient's key/value sum.
 """
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from elsa import constructions
 from elsa.attention import Array, ElsaParams
-from elsa.forms._base import GDForm
+from elsa.forms._gd_form import GDForm
 
 
 class Designed(GDForm):
@@ -22,13 +22,13 @@ class Designed(GDForm):
   x_query=xq, w0=w0), return_all=True)`` holds ``w_t`` of
   :func:`elsa.ridge.gd` (same ``w0``) in state ``t`` for ``t = 0..L``.
   Every layer of ``gd_params`` is :meth:`gd_layer`, two components (``C =
-  2``): the decayed skip and the gradient head (see :mod:`elsa.forms._base`).
+  2``): the decayed skip and the gradient head (see :mod:`elsa.forms._gd_form`).
 
   Args:
     n_train: examples per task ``N``.
     d: input dimension.
     n_query: query tokens ``Q`` (may be 0).
-    n_out: target columns ``k`` (1: scalar targets, see :class:`GDForm`).
+    n_out: target columns (1: scalar targets, see :class:`GDForm`).
 
   Example:
     >>> form = Designed(n_train=8, d=3, n_query=2)
@@ -41,10 +41,10 @@ class Designed(GDForm):
 
     Args:
       x: ``[..., N, d]``, floating; its dtype is the state's dtype.
-      y: ``[..., N]`` (``n_out == 1``) or ``[..., N, k]``.
+      y: ``[..., N]`` (``n_out == 1``) or ``[..., N, n_out]``.
       x_query: ``[..., Q, d]``; may be ``None`` when ``Q == 0``. Leading axes
         broadcast to those of ``x``.
-      w0: start ``[..., d]`` (``n_out == 1``) or ``[..., d, k]``; zero if
+      w0: start ``[..., d]`` (``n_out == 1``) or ``[..., d, n_out]``; zero if
         ``None``. Leading axes broadcast.
 
     Raises:

@@ -2,7 +2,7 @@ r"""The Natural input form: the naturally enumerated tokens, one GD step per lay
 
 The input is one token ``(x_i, y_i)`` per example in arrival order, then one
 token ``(x_q, 0)`` per query in the SAME columns, plus zero-initialised extras:
-``d`` w-rows at the end and the columns ``z`` (d) and ``p`` (k):
+``d`` w-rows at the end and the columns ``z`` (d) and ``p`` (n_out):
 
 =================  ======  ======  ======  ======
 rows \ columns     x       y       z       p
@@ -13,7 +13,7 @@ w-row j    (d)     0       0       0       0
 =================  ======  ======  ======  ======
 
 Layer 1 takes the first GD step AND moves every query's ``x`` into ``z``;
-afterwards the state is exactly the layout of :mod:`elsa.forms._base` (the
+afterwards the state is exactly the layout of :mod:`elsa.forms._gd_form` (the
 Designed one), and layers ``2..L`` are Designed layers. Layer ``t`` is GD step
 ``t``: no set-up layer.
 
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from elsa import constructions
 from elsa.attention import Array, ElsaParams
-from elsa.forms._base import GDForm
+from elsa.forms._gd_form import GDForm
 
 
 class Natural(GDForm):
@@ -46,7 +46,7 @@ class Natural(GDForm):
     n_train: examples per task ``N``.
     d: input dimension.
     n_query: query tokens ``Q`` (may be 0).
-    n_out: target columns ``k`` (1: scalar targets, see :class:`GDForm`).
+    n_out: target columns (1: scalar targets, see :class:`GDForm`).
   """
 
   def encode(self, x, y, *, x_query=None, w0=None) -> Array:
@@ -54,7 +54,7 @@ class Natural(GDForm):
 
     Args:
       x: ``[..., N, d]``, floating; its dtype is the state's dtype.
-      y: ``[..., N]`` (``n_out == 1``) or ``[..., N, k]``.
+      y: ``[..., N]`` (``n_out == 1``) or ``[..., N, n_out]``.
       x_query: ``[..., Q, d]``; may be ``None`` when ``Q == 0``.
       w0: must be ``None``: this form starts from ``w0 = 0``. For another
         start use :class:`~elsa.forms.Designed` (BUILD_NOTES.md, "Input forms").

@@ -19,12 +19,12 @@ Newton–Schulz step ``t`` *is* GD step ``2^t``: each layer doubles the number
 of GD steps done, and ``O(log(kappa log(1/eps)))`` layers reach the solution
 where GD needs ``O(kappa log(1/eps))``.
 
-Layout, ``m = N + Q + d`` tokens by ``n = 3d + 2k`` features (``N`` examples,
-``Q`` queries, ``k = n_out``), as encoded (left of the arrow) and after the
-set-up, before Newton step ``t`` (right):
+Layout, ``m = N + Q + d`` tokens by ``n = 3d + 2 n_out`` features (``N``
+examples, ``Q`` queries), as encoded (left of the arrow) and after the set-up,
+before Newton step ``t`` (right):
 
 =================  ===========  ========  ========  ================  ==============
-rows \ columns     x (d)        y (k)     a (d)     mcol (d)          w (k)
+rows \ columns     x (d)        y (n_out) a (d)     mcol (d)          w (n_out)
 =================  ===========  ========  ========  ================  ==============
 example i  (N)     x_i          y_i       0         0                 0
 query q    (Q)     x_q -> 0     0         0         0 -> x_q^T M_t    0 -> x_q^T w_t
@@ -50,7 +50,7 @@ import numpy as np
 
 from elsa import constructions
 from elsa.attention import Array, ElsaParams
-from elsa.forms._tokens import TokenForm
+from elsa.forms._token_form import TokenForm
 
 
 def safe_alpha(x: Array, *, lam) -> Array:
@@ -97,13 +97,14 @@ class Newton(TokenForm):
     n_train: examples per task ``N``.
     d: input dimension.
     n_query: query tokens ``Q`` (may be 0).
-    n_out: target columns ``k``. With ``k == 1`` ``encode`` takes ``y`` as
+    n_out: target columns. With ``n_out == 1`` ``encode`` takes ``y`` as
       ``[..., N]`` (or ``[..., N, 1]``) and the decoders return ``[..., d]``,
-      ``[..., Q]``; with ``k > 1`` ``[..., d, k]``, ``[..., Q, k]``.
+      ``[..., Q]``; with ``n_out > 1`` ``[..., d, n_out]``, ``[..., Q, n_out]``.
 
   Attributes:
-    n_train, d, n_query, n_out: ``N``, ``d``, ``Q``, ``k``.
-    m, n: token count ``N + Q + d`` and feature count ``3d + 2k``.
+    n_train, d, n_query, n_out: examples ``N``, input dimension ``d``, queries ``Q``,
+      target columns ``n_out``.
+    m, n: token count ``N + Q + d`` and feature count ``3d + 2 n_out``.
     setup_layers: 2, the layers that build ``A``, ``b`` and ``M_0``.
     example_rows, query_rows, m_rows; x_cols, y_cols, a_cols, mcol_cols,
     w_cols: the blocks of the layout table (python ``range`` objects).
@@ -118,18 +119,18 @@ class Newton(TokenForm):
 
   setup_layers = 2
 
-  def __init__(self, *, n_train: int, d: int, n_query: int = 1,
-               n_out: int = 1):
-    super().__init__(n_train=n_train, d=d, n_query=n_query, n_out=n_out)
-    self.example_rows, self.query_rows, self.m_rows = self._row_blocks(range)
-    (self.x_cols, self.y_cols, self.a_cols, self.mcol_cols,
-     self.w_cols) = self._consecutive(range, d, n_out, d, d, n_out)
-    self._w_block = (self.m_rows, self.w_cols)
-    self._pred_block = (self.query_rows, self.w_cols)
+  def _blocks(self) -> dict:
+    example_rows, query_rows, m_rows = self._row_blocks(range)
+    x_cols, y_cols, a_cols, mcol_cols, w_cols = self._consecutive(
+        range, self.d, self.n_out, self.d, self.d, self.n_out)
+    return dict(example_rows=example_rows, query_rows=query_rows,
+                m_rows=m_rows, x_cols=x_cols, y_cols=y_cols, a_cols=a_cols,
+                mcol_cols=mcol_cols, w_cols=w_cols, _w_block=(m_rows, w_cols),
+                _pred_block=(query_rows, w_cols))
 
   @property
   def n(self) -> int:
-    """Feature count of a state, ``3d + 2k``."""
+    """Feature count of a state, ``3d + 2 n_out``."""
     return 3 * self.d + 2 * self.n_out
 
   safe_alpha = staticmethod(safe_alpha)
@@ -142,7 +143,7 @@ class Newton(TokenForm):
 
     Args:
       x: examples ``[..., N, d]``, floating; its dtype is the state's dtype.
-      y: targets ``[..., N]`` (``n_out == 1``) or ``[..., N, k]``.
+      y: targets ``[..., N]`` (``n_out == 1``) or ``[..., N, n_out]``.
       x_query: queries ``[..., Q, d]`` (leading axes broadcast to ``x``'s);
         may be ``None`` when ``Q == 0``.
 

@@ -1,11 +1,11 @@
 r"""The token layout shared by the GD input forms, and the GD layer built on it.
 
 Both :class:`~elsa.forms.Designed` and :class:`~elsa.forms.Natural` lay a
-ridge task (``x: [N, d]``, ``y: [N, k]``, queries ``x_q: [Q, d]``) out as the
+ridge task (``x: [N, d]``, ``y: [N, n_out]``, queries ``x_q: [Q, d]``) out as the
 same ``[m, n]`` grid, ``m = N + Q + d`` tokens by ``n = 2d + 2k`` features:
 
 =================  ==========  ==========  ==========  ====================
-rows \ columns     x  (d)      y  (k)      z  (d)      p  (k)
+rows \ columns     x  (d)      y (n_out)   z  (d)      p (n_out)
 =================  ==========  ==========  ==========  ====================
 example i  (N)     x_i         y_i         0           x_i^T w_t
 query q    (Q)     0           0           x_q         x_q^T w_t
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from elsa import constructions
 from elsa.attention import Array, ElsaParams
-from elsa.forms._tokens import TokenForm
+from elsa.forms._token_form import TokenForm
 
 
 class GDForm(TokenForm):
@@ -38,41 +38,42 @@ class GDForm(TokenForm):
 
   Subclasses define ``encode`` (the initial state) and ``_gd_stack`` (the
   layers of :meth:`gd_params`); everything else is shared. Sizes, validation
-  and value equality come from :class:`~elsa.forms._tokens.TokenForm`.
+  and value equality come from :class:`~elsa.forms._token_form.TokenForm`.
 
   Attributes:
-    n_train, d, n_query, n_out: ``N``, ``d``, ``Q``, ``k``.
-    m, n: token count ``N + Q + d`` and feature count ``2d + 2k`` of a state.
+    n_train, d, n_query, n_out: examples ``N``, input dimension ``d``, queries ``Q``,
+      target columns ``n_out``.
+    m, n: token count ``N + Q + d`` and feature count ``2d + 2 n_out`` of a state.
     example_rows, query_rows, w_rows: row slices of the three token blocks.
     x_cols, y_cols, z_cols, p_cols: column slices of the four feature blocks.
 
-  ``n_out = k`` is the number of target columns. With ``k == 1`` the targets
+  ``n_out`` is the number of target columns. With ``n_out == 1`` the targets
   are scalars: ``encode`` takes ``y`` as ``[..., N]`` (or ``[..., N, 1]``) and
   the decoders return ``[..., d]`` and ``[..., Q]``, the shapes
-  :func:`elsa.ridge.gd` gives for ``y: [..., N]``. With ``k > 1`` ``y`` is
-  ``[..., N, k]`` and the decoders return ``[..., d, k]`` and ``[..., Q, k]``.
+  :func:`elsa.ridge.gd` gives for ``y: [..., N]``. With ``n_out > 1`` ``y`` is
+  ``[..., N, n_out]`` and the decoders return ``[..., d, n_out]`` and ``[..., Q, n_out]``.
   The decoders see only ``h``, so their shape depends on ``n_out`` alone.
   """
 
-  def __init__(self, *, n_train: int, d: int, n_query: int = 1,
-               n_out: int = 1):
-    super().__init__(n_train=n_train, d=d, n_query=n_query, n_out=n_out)
-    self.example_rows, self.query_rows, self.w_rows = self._row_blocks(slice)
-    self.x_cols, self.y_cols, self.z_cols, self.p_cols = self._consecutive(
-        slice, d, n_out, d, n_out)
-    self._w_block = (self.w_rows, self.p_cols)
-    self._pred_block = (self.query_rows, self.p_cols)
+  def _blocks(self) -> dict:
+    example_rows, query_rows, w_rows = self._row_blocks(slice)
+    x_cols, y_cols, z_cols, p_cols = self._consecutive(
+        slice, self.d, self.n_out, self.d, self.n_out)
+    return dict(example_rows=example_rows, query_rows=query_rows,
+                w_rows=w_rows, x_cols=x_cols, y_cols=y_cols, z_cols=z_cols,
+                p_cols=p_cols, _w_block=(w_rows, p_cols),
+                _pred_block=(query_rows, p_cols))
 
   @property
   def n(self) -> int:
-    """Feature count of a state, ``2d + 2k``."""
+    """Feature count of a state, ``2d + 2 n_out``."""
     return 2 * self.d + 2 * self.n_out
 
   # --- decoding -------------------------------------------------------------
   # decode_w and decode_pred are TokenForm's, on _w_block and _pred_block.
 
   def decode_train_pred(self, h) -> Array:
-    """Predictions on the examples ``x_i^T w``: ``[..., m, n] -> [..., N(, k)]``."""
+    """Predictions on the examples ``x_i^T w``: ``[..., m, n] -> [..., N(, n_out)]``."""
     return self._out(self._read("decode_train_pred", h, self.example_rows,
                                 self.p_cols))
 
@@ -82,10 +83,10 @@ class GDForm(TokenForm):
     """Concatenates the blocks of the layout table into ``[..., m, n]``."""
     batch, dtype = y_ex.shape[:-2], y_ex.dtype
     zeros = lambda rows, cols: jnp.zeros((*batch, rows, cols), dtype)
-    N, Q, d, k = self.n_train, self.n_query, self.d, self.n_out
+    N, Q, d, n_out = self.n_train, self.n_query, self.d, self.n_out
     example = jnp.concatenate([x_cols_ex, y_ex, zeros(N, d), p_ex], axis=-1)
-    query = jnp.concatenate([x_cols_q, zeros(Q, k), z_q, p_q], axis=-1)
-    w = jnp.concatenate([zeros(d, 2 * d + k), p_w], axis=-1)
+    query = jnp.concatenate([x_cols_q, zeros(Q, n_out), z_q, p_q], axis=-1)
+    w = jnp.concatenate([zeros(d, 2 * d + n_out), p_w], axis=-1)
     return jnp.concatenate([example, query, w], axis=-2)
 
   # --- parameters ------------------------------------------------------------
@@ -220,7 +221,7 @@ class GDForm(TokenForm):
       queries (their x sits in z) and on w-rows.
     * ``V = h W2``, ``W2 = (eta/N)(y cols -> p cols) - (eta/N)(p cols -> p
       cols)``: ``(eta/N)(y_i - p_i)`` in the p columns. So ``K^T V = (eta/N)
-      X^T (y - X w_t)``, ``[d, k]`` placed in the p columns.
+      X^T (y - X w_t)``, ``[d, n_out]`` placed in the p columns.
     * ``Q = h W3 + B3``: ``W3`` reads x and z columns (``x_i`` on examples,
       ``x_q`` on queries), ``B3 = e_j`` on w-row ``j``. Term
       ``(hW3)(hW1)^T(hW2)`` updates the predictions, ``B3 (hW1)^T (hW2)``

@@ -1,6 +1,6 @@
 """What every input form shares: sizes, equality, task and state checks.
 
-A form lays a ridge task (``x: [N, d]``, ``y: [N, k]``, queries ``x_q:
+A form lays a ridge task (``x: [N, d]``, ``y: [N, n_out]``, queries ``x_q:
 [Q, d]``) out as ``m = N + Q + d`` tokens; the feature count ``n`` and the
 column blocks are the subclass's (:class:`~elsa.forms.GDForm`,
 :class:`~elsa.forms.Newton`).
@@ -8,6 +8,7 @@ column blocks are the subclass's (:class:`~elsa.forms.GDForm`,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -29,6 +30,7 @@ def _jitted(form: "TokenForm", method: str, static: tuple, *args):
   return getattr(form, method)(*args, **dict(static))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TokenForm:
   """Base of the input forms: the sizes and what does not depend on the columns.
 
@@ -42,19 +44,35 @@ class TokenForm:
     :meth:`decode_pred`).
 
   Attributes:
-    n_train, d, n_query, n_out: ``N``, ``d``, ``Q``, ``k``.
+    n_train, d, n_query, n_out: examples ``N``, input dimension ``d``,
+      queries ``Q`` and target columns ``n_out``.
     m: token count ``N + Q + d``.
 
-  Forms compare and hash by type and sizes, so they can be static arguments
-  of :func:`jax.jit`.
+  A frozen dataclass: forms compare and hash by type and sizes, so they can
+  be static arguments of :func:`jax.jit`.
   """
 
-  def __init__(self, *, n_train: int, d: int, n_query: int = 1,
-               n_out: int = 1):
-    self.n_train, self.d, self.n_query, self.n_out = (
-        self._check_int(type(self).__name__, arg, value, low=low)
-        for arg, value, low in (("n_train", n_train, 1), ("d", d, 1),
-                                ("n_query", n_query, 0), ("n_out", n_out, 1)))
+  n_train: int
+  d: int
+  n_query: int = 1
+  n_out: int = 1
+
+  def __post_init__(self):
+    for arg, low in (("n_train", 1), ("d", 1), ("n_query", 0), ("n_out", 1)):
+      self._set(**{arg: self._check_int(type(self).__name__, arg,
+                                        getattr(self, arg), low=low)})
+    self._set(**self._blocks())
+
+  def _set(self, **attrs) -> None:
+    # The sizes are checked and the row/column blocks derived once, when the
+    # form is built; afterwards the form is immutable.
+    for name, value in attrs.items():
+      object.__setattr__(self, name, value)
+
+  def _blocks(self) -> dict:
+    """The subclass's row and column blocks, ``{attribute: slice or range}``,
+    including ``_w_block`` and ``_pred_block``."""
+    raise NotImplementedError
 
   @property
   def m(self) -> int:
@@ -65,19 +83,6 @@ class TokenForm:
   def n(self) -> int:
     """Feature count of a state (set by the subclass)."""
     raise NotImplementedError
-
-  def _key(self) -> tuple:
-    return (type(self), self.n_train, self.d, self.n_query, self.n_out)
-
-  def __eq__(self, other) -> bool:
-    return isinstance(other, TokenForm) and self._key() == other._key()
-
-  def __hash__(self) -> int:
-    return hash(self._key())
-
-  def __repr__(self) -> str:
-    return (f"{type(self).__name__}(n_train={self.n_train}, d={self.d}, "
-            f"n_query={self.n_query}, n_out={self.n_out})")
 
   def _row_blocks(self, block) -> list:
     """The token blocks ``[N examples | Q queries | d rows]``, each
@@ -102,7 +107,7 @@ class TokenForm:
   # --- decoding ---------------------------------------------------------------
 
   def decode_w(self, h) -> Array:
-    """The weights ``w`` the state holds: ``[..., m, n] -> [..., d(, k)]``.
+    """The weights ``w`` the state holds: ``[..., m, n] -> [..., d(, n_out)]``.
 
     Works on any leading axes, e.g. all states ``[L + 1, ..., m, n]`` of
     ``elsa_stack(..., return_all=True)``.
@@ -110,7 +115,7 @@ class TokenForm:
     return self._out(self._read("decode_w", h, *self._w_block))
 
   def decode_pred(self, h) -> Array:
-    """Query predictions ``x_q^T w``: ``[..., m, n] -> [..., Q(, k)]``."""
+    """Query predictions ``x_q^T w``: ``[..., m, n] -> [..., Q(, n_out)]``."""
     return self._out(self._read("decode_pred", h, *self._pred_block))
 
   # --- shared components --------------------------------------------------------
@@ -191,15 +196,15 @@ class TokenForm:
     return h[..., rows.start:rows.stop, cols.start:cols.stop]
 
   def _out(self, block: Array) -> Array:
-    """Drops the target axis of ``[..., *, k]`` when ``k == 1``."""
+    """Drops the target axis of ``[..., *, n_out]`` when ``n_out == 1``."""
     return block[..., 0] if self.n_out == 1 else block
 
   def _check_inputs(self, x, y, x_query, w0=None):
-    """Validates the task; returns ``x, y [..., N, k], x_query, w0 [..., d, k]``
+    """Validates the task; returns ``x, y [..., N, n_out], x_query, w0 [..., d, n_out]``
     with ``x_query``/``w0`` broadcast to the batch shape of ``x`` (``w0`` may be
     ``None``)."""
     fn = self._name("encode")
-    N, d, Q, k = self.n_train, self.d, self.n_query, self.n_out
+    N, d, Q, n_out = self.n_train, self.d, self.n_query, self.n_out
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"{fn}: x must have a floating dtype, got {x.dtype}.")
@@ -215,12 +220,12 @@ class TokenForm:
       return a
 
     y = same_dtype("y", y)
-    if k == 1 and y.shape == (*batch, N):
+    if n_out == 1 and y.shape == (*batch, N):
       y = y[..., None]
-    if y.shape != (*batch, N, k):
-      want = f"{(*batch, N)} or " if k == 1 else ""
-      raise self._shape_error(fn, "y", f"{want}{(*batch, N, k)} (x has shape "
-                              f"{x.shape}, n_out={k})", y.shape)
+    if y.shape != (*batch, N, n_out):
+      want = f"{(*batch, N)} or " if n_out == 1 else ""
+      raise self._shape_error(fn, "y", f"{want}{(*batch, N, n_out)} (x has "
+                              f"shape {x.shape}, n_out={n_out})", y.shape)
 
     def broadcast(arg, a, tail, want, given):
       # ``given``: the shape as passed, before a target axis was added.
@@ -245,10 +250,10 @@ class TokenForm:
       w0 = same_dtype("w0", w0)
       given = w0.shape
       # [..., d] gets its target axis; a w0 already ending in (d, 1) is
-      # [..., d, k] (they differ only when d == 1).
-      if (k == 1 and w0.ndim >= 1 and w0.shape[-1] == d
+      # [..., d, n_out] (they differ only when d == 1).
+      if (n_out == 1 and w0.ndim >= 1 and w0.shape[-1] == d
           and w0.shape[-2:] != (d, 1)):
         w0 = w0[..., None]
-      w0 = broadcast("w0", w0, (d, k), f"[..., d={d}]" if k == 1
-                     else f"[..., d={d}, k={k}]", given)
+      w0 = broadcast("w0", w0, (d, n_out), f"[..., d={d}]" if n_out == 1
+                     else f"[..., d={d}, n_out={n_out}]", given)
     return x, y, x_query, w0
