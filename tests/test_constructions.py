@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import elsa
 from elsa import constructions as C
+from helpers import rel_err
 
 F64_TOL = 1e-12
 # Largest float32 relative error measured on CPU (`python
@@ -28,13 +29,6 @@ ELSA = jax.jit(elsa.elsa)
 LSA = jax.jit(elsa.lsa)
 TOL = {np.float64: F64_TOL, np.float32: F32_TOL}
 DTYPES = [np.float64, np.float32]
-
-
-def rel_err(out, ref) -> float:
-  """max |out - ref| / max |ref|, computed in float64."""
-  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-  assert out.shape == ref.shape, (out.shape, ref.shape)
-  return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-300))
 
 
 def assert_close(out, ref, dtype):

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import zlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 
 import elsa
 from elsa import forms, ridge
+from helpers import rel_err
 
 FORMS = [forms.Designed, forms.Natural]
 F64_RTOL = 1e-10
@@ -29,13 +31,6 @@ F32_RTOL = 1e-4
 # (batch, N, d, Q, k): N > d, N < d, Q = 0 with n_out = 2, two batch axes, 1x1.
 SHAPES = [((), 8, 3, 2, 1), ((2,), 3, 5, 2, 1), ((2,), 6, 4, 0, 2),
           ((2, 3), 5, 2, 3, 2), ((), 1, 1, 1, 1)]
-
-
-def rel_err(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  if want.size == 0:
-    return 0.0
-  return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300)
 
 
 def task(seed, batch, n_train, d, n_query, n_out, dtype):
@@ -190,11 +185,11 @@ def test_jit_traced_lam_eta_compiles_once(form_cls):
   x, y, x_query = task(2, batch, n_train, d, n_query, 1, jnp.float64)
   form = form_cls(n_train=n_train, d=d, n_query=n_query)
   h0 = form.encode(x, y, x_query=x_query)
-  traces = []
+  chex.clear_trace_counter()  # counts are kept per function body, across tests
 
   @jax.jit
+  @chex.assert_max_traces(n=1)
   def run(lam, eta):
-    traces.append(1)
     params = form.gd_params(lam=lam, eta=eta, depth=depth)
     return form.decode_w(elsa.elsa_stack(params, h0, return_all=True))
 
@@ -202,7 +197,6 @@ def test_jit_traced_lam_eta_compiles_once(form_cls):
     got = run(jnp.float64(lam), jnp.float64(eta))
     want = ridge.gd(x, y, lam=lam, eta=eta, steps=depth)
     assert rel_err(got, want) < F64_RTOL
-  assert len(traces) == 1
 
 
 @pytest.mark.parametrize("form_cls", FORMS)
@@ -215,12 +209,11 @@ def test_vmap_over_a_lam_eta_grid(form_cls):
   lams, etas = jnp.meshgrid(jnp.array([0.0, 0.1, 1.0]),
                             jnp.array([0.05, 0.2]), indexing="ij")
   lams, etas = lams.ravel(), etas.ravel()
-  traces = []
+  chex.clear_trace_counter()  # counts are kept per function body, across tests
 
   @jax.jit
+  @chex.assert_max_traces(n=1)
   def sweep(lams, etas):
-    traces.append(1)
-
     def one(lam, eta):
       params = form.gd_params(lam=lam, eta=eta, depth=depth)
       return form.decode_w(elsa.elsa_stack(params, h0, return_all=True))
@@ -228,8 +221,7 @@ def test_vmap_over_a_lam_eta_grid(form_cls):
     return jax.vmap(one)(lams, etas)
 
   got = sweep(lams, etas)
-  sweep(2 * lams, etas)
-  assert len(traces) == 1
+  sweep(2 * lams, etas)  # new values, same shapes: no new trace
   for i, (lam, eta) in enumerate(zip(lams, etas)):
     want = ridge.gd(x, y, lam=lam, eta=eta, steps=depth)
     assert rel_err(got[i], want) < F64_RTOL
@@ -334,8 +326,7 @@ def test_building_blocks_take_python_numbers():
       got = getattr(form, name)(**kwargs)
       want = getattr(form, name)(**{k: f64(v) for k, v in kwargs.items()})
       assert got.w1.dtype == elsa.attention.float_dtype() == jnp.float64
-      for a, b in zip(got, want):
-        np.testing.assert_array_equal(a, b)
+      chex.assert_trees_all_equal(got, want)
     f32 = form.gd_layer(lam=0.1, eta=0.2, dtype=jnp.float32)
     assert all(leaf.dtype == jnp.float32 for leaf in f32)
     with pytest.raises(ValueError, match="etas"):

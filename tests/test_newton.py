@@ -2,6 +2,7 @@
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +12,7 @@ import elsa
 from elsa import constructions, ridge
 from elsa.forms import Newton
 from elsa.forms.newton import safe_alpha
+from helpers import rel_norm as rel
 
 # float32 floor after convergence, against the float64 ridge solution: the
 # measured relative error of w and of the predictions was 0.37, 0.06 and 0.50
@@ -21,9 +23,6 @@ F32_EPS = float(np.finfo(np.float32).eps)
 F64_RTOL = 1e-10
 
 
-def rel(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return np.linalg.norm(got - want) / np.linalg.norm(want)
 
 
 def random_task(rng, *, batch, n_train, d, n_query, n_out, dtype):
@@ -157,11 +156,11 @@ def test_vmap_over_lam_and_alpha_does_not_retrace():
   x, y, xq = random_task(rng, batch=(), n_train=5, d=3, n_query=1, n_out=1,
                          dtype=jnp.float64)
   form = Newton(n_train=5, d=3, n_query=1)
-  traces = []
+  chex.clear_trace_counter()  # counts are kept per function body, across tests
 
   @jax.jit
+  @chex.assert_max_traces(n=1)
   def final_w(lam, alpha):
-    traces.append(1)
     params = form.newton_params(lam=lam, alpha=alpha, depth=4)
     return form.decode_w(elsa.elsa_stack(params, form.encode(x, y,
                                                              x_query=xq)))
@@ -170,8 +169,7 @@ def test_vmap_over_lam_and_alpha_does_not_retrace():
   lams = jnp.array([0.1, 0.5, 1.0])
   alphas = 0.5 * ridge.stability_limit(x, lam=lams)
   got = sweep(lams, alphas)
-  sweep(lams * 2, alphas / 2)
-  assert len(traces) == 1
+  sweep(lams * 2, alphas / 2)  # new values, same shapes: no new trace
   for i in range(3):
     want = ridge.gd(x, y, lam=lams[i], eta=alphas[i], steps=16)[-1]
     assert rel(got[i], want) < F64_RTOL

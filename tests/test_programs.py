@@ -8,6 +8,7 @@ the forms written by hand (``elsa.forms.Natural``, ``elsa.forms.Newton``)
 and against plain GD.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import elsa
 from elsa import programs, ridge
+from helpers import rel_norm as rel
 
 F64_RTOL = 1e-10
 F32_EPS = float(np.finfo(np.float32).eps)
@@ -23,11 +25,6 @@ KINDS = {"mix", "constant", "copy", "transpose", "gram", "product2",
          "product3"}
 
 
-def rel(got, want):
-  """``|got - want| / |want|`` (Frobenius); 0 when both are exactly zero."""
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  err = np.linalg.norm(got - want)
-  return err / np.linalg.norm(want) if err else 0.0
 
 
 def assert_every_layer(compiled, hs, ref, rtol, skip_layers=()):
@@ -118,30 +115,26 @@ def test_jit_traced_scalars_compile_once_and_vmap_over_a_grid():
   x, yv = regression(2, (), N, d)
   ex = design_example(N, d, 1, x, yv)
   compiled, prog, h0 = ex["compiled"], ex["prog"], ex["h0"]
-  traces = {"jit": 0, "grid": 0}
-
-  def final_w(lam, eta, counter):
-    traces[counter] += 1
+  def final_w(lam, eta):
     params = compiled.params(loops=L, lam=lam, eta=eta)
     return compiled.read(elsa.elsa_stack(params, h0), "w")
 
   def reference(lam, eta):
     return programs.run(prog, loops=L, X=x, y=yv, lam=lam, eta=eta)["w"][-1]
 
-  one = jax.jit(lambda lam, eta: final_w(lam, eta, "jit"))
+  one = jax.jit(chex.assert_max_traces(final_w, n=1))
   for lam, eta in ((0.0, 0.1), (0.3, 0.02)):
     got = one(jnp.float64(lam), jnp.float64(eta))
     assert rel(got, reference(lam, eta)) < F64_RTOL
-  assert traces["jit"] == 1
 
-  grid = jax.jit(jax.vmap(lambda lam, eta: final_w(lam, eta, "grid")))
+  grid = jax.jit(jax.vmap(chex.assert_max_traces(
+      lambda lam, eta: final_w(lam, eta), n=1)))
   lams, etas = (jnp.asarray(a.ravel()) for a in np.meshgrid(
       [0.0, 0.1, 1.0], [0.01, 0.05, 0.1]))
   for shift in (0.0, 0.5):  # new values, same shapes: no new trace
     got = grid(lams + shift, etas)
     assert got.shape == (9, d, 1)
     assert rel(got, jax.vmap(reference)(lams + shift, etas)) < F64_RTOL
-  assert traces["grid"] == 1
 
 
 # --- the hand-built forms, reproduced by compiled programs --------------------

@@ -1,0 +1,29 @@
+"""What the test files share: the two relative errors they measure exactness with.
+
+Pytrees are compared with :func:`chex.assert_trees_all_close`, compile counts
+checked with :func:`chex.assert_max_traces`.
+"""
+
+import numpy as np
+
+
+def rel_err(got, want) -> float:
+  """``max |got - want| / max |want|``, in float64; 0 for empty arrays.
+
+  The worst entry against the scale of the reference: the error measure of
+  the primitive, the constructions, the forms and the references.
+  """
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  if want.size == 0:
+    return 0.0
+  return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-300))
+
+
+def rel_norm(got, want) -> float:
+  """``||got - want|| / ||want||`` (Frobenius), in float64; 0 when both are
+  exactly equal (also both zero)."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  err = np.linalg.norm(got - want)
+  return float(err / np.linalg.norm(want)) if err else 0.0
