@@ -487,20 +487,24 @@ class Program:
       if init.shape != shape:
         raise ValueError(f"programs: init of {name} has shape "
                          f"{list(init.shape)}, but {name} is {list(shape)}.")
-      where = f"init of {name}"
-      for term in init.terms:
-        for f in term.factors:
-          if f.block is not None and f.block.program is not self:
-            raise ValueError(f"programs: {where} reads {f.block.name}, a block "
-                             "of another program.")
-          if f.block is not None and f.block.kind != "input":
-            raise ValueError(f"programs: {where} reads the state "
-                             f"{f.block.name}; an init reads inputs and scalars "
-                             "only (assign states in prog.layer).")
-        classify(term, where)
+      self._check_terms(init, f"init of {name}", inputs_only=True)
     block = Block(name, shape, "state", symmetric, init=init, program=self)
     self.blocks[name] = block
     return BlockExpr(block)
+
+  def _check_terms(self, expr: Expr, where: str, *, inputs_only=False):
+    """Every term of ``expr`` reads blocks of this program (only inputs if
+    ``inputs_only``) and is one component (:func:`classify`)."""
+    for term in expr.terms:
+      for f in term.factors:
+        if f.block is not None and f.block.program is not self:
+          raise ValueError(f"programs: {where} reads {f.block.name}, a block "
+                           "of another program.")
+        if inputs_only and f.block is not None and f.block.kind != "input":
+          raise ValueError(f"programs: {where} reads the state "
+                           f"{f.block.name}; an init reads inputs and scalars "
+                           "only (assign states in prog.layer).")
+      classify(term, where)
 
   @staticmethod
   def _check_symmetric(name, shape, symmetric):
@@ -545,13 +549,7 @@ class Program:
         raise ValueError(f"programs: {label}, {block.name} = {expr.text()}: "
                          f"shape {list(expr.shape)} but {block.name} is "
                          f"{list(block.shape)}.")
-      where = f"{label}, {block.name} = ..."
-      for term in expr.terms:
-        for f in term.factors:
-          if f.block is not None and f.block.program is not self:
-            raise ValueError(f"programs: {where} reads {f.block.name}, a block "
-                             "of another program.")
-        classify(term, where)
+      self._check_terms(expr, f"{label}, {block.name} = ...")
       out.append((block, expr))
     self.stages.append(Stage(tuple(out), repeat, label))
 
