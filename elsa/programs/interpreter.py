@@ -91,11 +91,16 @@ def run(prog: Program, *, loops: int, dtype=None, **kwargs) -> dict[str, Array]:
                                                         dtype))
             for b in prog.blocks.values()}
 
-  history = [values]
+  # Each stage appends a [layers, ...] chunk per block: one value for a
+  # layer applied once, the scan's stacked states for a loop; one concatenate
+  # at the end keeps the cost linear in ``loops``.
+  chunks = [{k: v[None] for k, v in values.items()}]
+  current = values
   once = {k: v for k, v in scalars.items() if v.ndim == 0}
   for stage in stages:
     if not stage.repeat:
-      history.append(_apply(stage, history[-1], once, dtype))
+      current = _apply(stage, current, once, dtype)
+      chunks.append({k: v[None] for k, v in current.items()})
       continue
     if not loops:
       continue
@@ -105,6 +110,7 @@ def run(prog: Program, *, loops: int, dtype=None, **kwargs) -> dict[str, Array]:
       new = _apply(stage, state, scalar_t, dtype)
       return new, new
 
-    _, states = jax.lax.scan(body, history[-1], per_loop, length=loops)
-    history.extend({k: v[t] for k, v in states.items()} for t in range(loops))
-  return {name: jnp.stack([h[name] for h in history]) for name in prog.blocks}
+    current, states = jax.lax.scan(body, current, per_loop, length=loops)
+    chunks.append(states)
+  return {name: jnp.concatenate([c[name] for c in chunks])
+          for name in prog.blocks}
