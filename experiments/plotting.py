@@ -234,7 +234,8 @@ def algorithm_layers(results: dict) -> Figure:
       if pts:
         left.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=label)
   left.set(xscale="log", yscale="log", xlabel="kappa(A)",
-           ylabel=f"total layers to rel. error {config['tol']:g} (f64)",
+           ylabel=f"total layers to rel. error {config['tol']:g} (f64, solid)"
+           f" / {config['tol_float32']:g} (f32, dashed)",
            title="layers to the ridge solution")
   left.legend(fontsize=6, ncol=2)
   last = results["per_kappa"][-1]
