@@ -128,7 +128,7 @@ def textbook_third_order(a, b, *, alpha, steps, w_update="refine"):
   return ws, ms
 
 
-# --- tasks and the runs of each algorithm ---------------------------------------
+# --- tasks and the runs of each algorithm -------------------------------------
 
 
 def task(seed, batch, N, d, Q, k, dtype=np.float64):
@@ -350,7 +350,7 @@ def test_newton_schulz_block_m_is_the_textbook_inverse_iterate():
   assert rel(m[-1], np.linalg.inv(a)) <= 1e-12
 
 
-# --- the helpers ----------------------------------------------------------------
+# --- the helpers --------------------------------------------------------------
 
 
 def chebyshev_recurrence(mu, L, loops):
@@ -453,7 +453,7 @@ def test_eigen_bounds_are_the_extreme_eigenvalues_of_a():
   np.testing.assert_allclose(L, evals[:, -1], rtol=1e-12)
 
 
-# --- what cannot be compiled -------------------------------------------------------
+# --- what cannot be compiled --------------------------------------------------
 
 
 def cg_program():
