@@ -234,9 +234,9 @@ def algorithm_layers(results: dict) -> Figure:
       if pts:
         left.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=label)
   left.set(xscale="log", yscale="log", xlabel="kappa(A)",
-           ylabel=f"total layers to rel. error {config['tol']:g} (f64, solid)"
-           f" / {config['tol_float32']:g} (f32, dashed)",
-           title="layers to the ridge solution")
+           ylabel="total layers to ||w - w*|| / ||w*|| <= tol",
+           title=f"f64, tol {config['tol']:g} (solid); f32, tol "
+           f"{config['tol_float32']:g} (dashed)")
   left.legend(fontsize=6, ncol=2)
   last = results["per_kappa"][-1]
   for i, name in enumerate(config["algorithms"]):
