@@ -35,7 +35,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from elsa import programs
-from elsa.attention import Array
+from elsa.attention import Array, float_dtype
 
 
 def _natural_tokens(prog: programs.Program, *, n_train: int, d: int,
@@ -208,21 +208,37 @@ def newton_schulz(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
   return prog
 
 
-def third_order(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
-                ) -> programs.Program:
+def third_order(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1,
+                w_update: str = "refine") -> programs.Program:
   r"""The third-order hyperpower iteration with its residual ``R = I - A M`` as a block.
 
   .. math::
-    M' = M + M R + M R^2, \qquad R' = R^3, \qquad
-    w' = w + M s + M R s, \qquad s' = R^2 s,
+    M' = M + M R + M R^2, \qquad R' = R^3,
 
-  from ``M_0 = alpha I``, ``R_0 = I - alpha A``, ``w_0 = 0``, ``s_0 = b``.
-  ``R`` is a polynomial in ``A``, hence symmetric: ``M R R`` reads as ``M R^T
-  R`` (three blocks). ``s = b - A w`` is kept exactly: ``s' = s - A M (I + R)
-  s = R^2 s``; so ``R_t = R_0^{3^t}`` and ``s_t = R_0^{3^t - 1} b``: layer
-  ``t`` holds GD step ``3^t - 1``; the residual cubes each layer (Newton–Schulz
-  squares it). ``A`` itself is never stored. Scalars: ``lam``, ``alpha``.
+  from ``M_0 = alpha I``, ``R_0 = I - alpha A``: ``R_t = R_0^{3^t}``, the
+  residual cubes each layer (Newton–Schulz squares it). ``R`` is a
+  polynomial in ``A``, hence symmetric, so ``M R R`` reads as ``M R^T R``
+  (three blocks). ``R`` is not recomputed from ``M`` (``I - A M'`` would be
+  four blocks), so its rounding is never corrected; how ``w`` follows:
+
+  * ``w_update="refine"`` (default): iterative refinement on the true
+    residual, ``w' = w + M (b - A w)`` from ``w_0 = alpha b``, with ``A``
+    kept as a block. The error is ``e_{t+1} = (I - M_t A) e_t``, so ``w_t``
+    holds GD step ``(3^t + 1) / 2`` (about ``log_3 2`` of a layer behind the
+    ideal ``3^t``), and rounding in ``w`` or ``R`` corrects itself: ``w``
+    reaches the ridge solution to ``~kappa eps``.
+  * ``w_update="residual"``: ``w' = w + M s + M R s``, ``s' = R^2 s`` from
+    ``w_0 = 0``, ``s_0 = b``: ``s = b - A w`` in exact arithmetic, so ``w_t``
+    holds GD step ``3^t - 1``, and ``A`` is never stored; but ``s`` follows
+    the rounded ``R``, and ``w`` stalls where ``R`` has drifted (BUILD_NOTES,
+    "The algorithm library": a floor of ``~1e-8`` at ``kappa = 1e6`` in
+    float64).
+
+  Scalars: ``lam``, ``alpha`` (``0 < alpha < 2 / mu_max``).
   """
+  if w_update not in ("refine", "residual"):
+    raise ValueError(f"third_order: w_update must be 'refine' or 'residual', "
+                     f"got {w_update!r}.")
   prog = programs.Program()
   X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
                              n_out=n_out)
@@ -232,18 +248,32 @@ def third_order(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
   R = prog.state("R", (d, d), symmetric=True,
                  init=(1 - alpha * lam) * programs.eye(d)
                  - (alpha / N) * (X.T @ X))
-  w = prog.state("w", (d, n_out))
-  s = prog.state("s", (d, n_out), init=(X.T @ y) / N)
-  prog.loop({M: M + M @ R + M @ R @ R, R: R @ R @ R,
-             w: w + M @ s + M @ R @ s, s: R @ R @ s})
+  if w_update == "refine":
+    A = prog.state("A", (d, d), init=X.T @ X / N + lam * programs.eye(d),
+                   symmetric=True)
+    w = prog.state("w", (d, n_out), init=(alpha / N) * (X.T @ y))
+    prog.loop({M: M + M @ R + M @ R @ R, R: R @ R @ R,
+               w: w + (1 / N) * (M @ X.T @ y) - M @ A @ w})
+  else:
+    w = prog.state("w", (d, n_out))
+    s = prog.state("s", (d, n_out), init=(X.T @ y) / N)
+    prog.loop({M: M + M @ R + M @ R @ R, R: R @ R @ R,
+               w: w + M @ s + M @ R @ s, s: R @ R @ s})
   _read_out(prog, Xq, w)
   return prog
+
+
+def third_order_residual(*, n_train: int, d: int, n_query: int = 1,
+                         n_out: int = 1) -> programs.Program:
+  """:func:`third_order` with ``w_update="residual"`` (``s' = R^2 s``)."""
+  return third_order(n_train=n_train, d=d, n_query=n_query, n_out=n_out,
+                     w_update="residual")
 
 
 ALGORITHMS = {
     "gd": ridge_gd, "heavy_ball": heavy_ball, "nesterov": nesterov,
     "chebyshev": chebyshev, "newton_schulz": newton_schulz,
-    "third_order": third_order,
+    "third_order": third_order, "third_order_residual": third_order_residual,
 }
 
 
@@ -280,17 +310,47 @@ def chebyshev_schedule(mu_min, mu_max, loops: int):
   r"""Chebyshev semi-iteration as heavy-ball schedules ``(eta [loops], beta [loops])``.
 
   With ``theta = (L + mu) / 2``, ``delta = (L - mu) / 2``, ``sigma = theta /
-  delta``: ``eta_0 = 1 / theta``, ``beta_0 = 0``; then ``rho_0 = 1 / sigma``,
-  ``rho_t = 1 / (2 sigma - rho_{t-1})``, ``eta_t = 2 rho_t / delta``,
-  ``beta_t = rho_t rho_{t-1}``. The error after ``t`` steps is
-  ``1 / T_t(sigma)`` of the start, the optimal polynomial on ``[mu, L]``.
-  Traceable: the bounds may be traced.
+  delta`` the semi-iteration is heavy ball with ``eta_0 = 1 / theta``,
+  ``beta_0 = 0`` and, for ``t >= 1``,
+
+  .. math::
+    \rho_t = \frac{T_t(\sigma)}{T_{t+1}(\sigma)}, \qquad
+    \eta_t = \frac{2 \rho_t}{\delta}, \qquad
+    \beta_t = \rho_t \rho_{t-1},
+
+  the recurrence ``rho_0 = 1 / sigma``, ``rho_t = 1 / (2 sigma - rho_{t-1})``
+  in closed form: with ``q = (sqrt L - sqrt mu) / (sqrt L + sqrt mu) = sigma -
+  sqrt(sigma^2 - 1)``, ``T_t(sigma) = (q^-t + q^t) / 2``, so ``rho_t = q (1 +
+  q^{2t}) / (1 + q^{2t + 2})`` (no overflow for any ``t``) and ``eta_t = 4 (1
+  + q^{2t}) / ((sqrt L + sqrt mu)^2 (1 + q^{2t + 2}))``, which tends to
+  heavy ball's :func:`heavy_ball_parameters` as ``beta_t`` does. After ``t`` steps
+  the error is ``T_t((theta - A) / delta) / T_t(sigma)`` times the start: the
+  polynomial of degree ``t`` with value 1 at 0 that is smallest on ``[mu,
+  L]``, at most ``1 / T_t(sigma)`` there.
+
+  Args:
+    mu_min, mu_max: ``0 < mu_min < mu_max`` (may be traced scalars).
+    loops: the schedule length, a static int ``>= 1``.
+
+  Returns:
+    ``(eta, beta)``, each ``[loops]`` in the dtype of the bounds; no Python
+    loop over ``loops``, so any length costs one vectorised expression.
   """
-  theta, delta = (mu_max + mu_min) / 2, (mu_max - mu_min) / 2
-  sigma = theta / delta
-  rhos = [1 / sigma]
-  for _ in range(loops - 1):
-    rhos.append(1 / (2 * sigma - rhos[-1]))
-  eta = [1 / theta] + [2 * rho / delta for rho in rhos[1:]]
-  beta = [jnp.zeros_like(sigma)] + [a * b for a, b in zip(rhos[1:], rhos)]
-  return jnp.stack(eta[:loops]), jnp.stack(beta[:loops])
+  if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+    raise ValueError(f"chebyshev_schedule: loops must be an int >= 1, got "
+                     f"{loops!r}.")
+  mu_min, mu_max = jnp.asarray(mu_min), jnp.asarray(mu_max)
+  if not jnp.issubdtype(jnp.result_type(mu_min, mu_max), jnp.floating):
+    mu_min, mu_max = (jnp.asarray(a, float_dtype(None))
+                      for a in (mu_min, mu_max))
+  sl, sm = jnp.sqrt(mu_max), jnp.sqrt(mu_min)
+  q = (sl - sm) / (sl + sm)
+  t = jnp.arange(loops, dtype=q.dtype)
+  ratio = (1 + q ** (2 * t)) / (1 + q ** (2 * t + 2))
+  rho = q * ratio  # rho_0 = 1 / sigma
+  rho_prev = jnp.concatenate([jnp.zeros_like(rho[:1]), rho[:-1]])
+  # 2 rho_t / delta with delta = (sl + sm)^2 q / 2 divided out: finite at
+  # mu_min == mu_max (q = 0), where every step is 1 / L.
+  eta = jnp.where(t == 0, 2 / (mu_max + mu_min), 4 / (sl + sm) ** 2 * ratio)
+  beta = rho * rho_prev  # beta_0 = 0
+  return eta, beta

@@ -208,3 +208,47 @@ def newton_layers(results: dict, rows: list[dict]) -> Figure:
   right.set(yscale="log", xlabel="layer", ylabel="median ||w - w*|| / ||w*||")
   right.legend(fontsize=6, ncol=2)
   return fig
+
+
+# The algorithm library raced to the ridge solution (experiments/algorithms.py).
+
+
+def algorithm_layers(results: dict) -> Figure:
+  """Total layers to tol vs kappa, log-log, a line per algorithm (left); median error per layer at the largest kappa (right).
+
+  Float64 counts are solid, float32 (``tol_float32``) dashed; a count past
+  the layer budget is left out of its line (the legend says how many).
+  """
+  config = results["config"]
+  kappas = [float(k) for k in config["kappas"]]
+  fig = Figure(figsize=(11, 4))
+  left, right = fig.subplots(1, 2)
+  for i, name in enumerate(config["algorithms"]):
+    for tail, style in (("", "-"), ("_float32", "--")):
+      counts = results["layers_to_tol" + tail][name]
+      pts = [(k, counts[f"{k:g}"]) for k in kappas
+             if counts[f"{k:g}"] is not None]
+      missing = len(kappas) - len(pts)
+      label = f"{name}{' f32' if tail else ''}" + (
+          f" ({missing} past budget)" if missing else "")
+      if pts:
+        left.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=label)
+  left.set(xscale="log", yscale="log", xlabel="kappa(A)",
+           ylabel="total layers to ||w - w*|| / ||w*|| <= tol",
+           title=f"f64, tol {config['tol']:g} (solid); f32, tol "
+           f"{config['tol_float32']:g} (dashed)")
+  left.legend(fontsize=6, ncol=2)
+  last = results["per_kappa"][-1]
+  for i, name in enumerate(config["algorithms"]):
+    for dtype, style in (("float64", "-"), ("float32", ":")):
+      curve = last["algorithms"][name][dtype]["curve"]
+      layers = np.asarray(curve["layers"]) + 1  # log axis: layer t at t + 1
+      median = np.array([np.nan if v is None else max(v, _LOG_FLOOR)
+                         for v in curve["median"]])
+      right.plot(layers, median, style, color=f"C{i}",
+                 label=f"{name} {dtype}")
+  right.set(xscale="log", yscale="log", xlabel="layer + 1",
+            ylabel="median ||w - w*|| / ||w*||",
+            title=f"kappa = {last['kappa']:g}")
+  right.legend(fontsize=6, ncol=2)
+  return fig
