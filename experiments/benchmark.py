@@ -532,6 +532,55 @@ def run_sweep_ab(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return dict(form=config.sweep_form, rows=rows)
 
 
+def _sweep_layers(form, *, depth: int, small_layout: str):
+  """The ELSA layers of the sweep kernel alone (no GD or ridge reference),
+  with the per-item ``K^T V`` laid out as ``small_layout``: ``(x, y, x_query,
+  lam, eta) -> w [B, depth, d]``."""
+  from elsa import attention  # pylint: disable=g-import-not-at-top
+
+  def one(x, y, x_query, lam, eta):
+    def layer(h, params_and_coeffs):
+      params, coeffs = params_and_coeffs
+      h = attention._layer(params, h, None, coeffs, small_layout=small_layout)  # pylint: disable=protected-access
+      return h, form.decode_w(h)
+    basis = form.gd_basis(depth=depth, dtype=x.dtype)
+    coeffs = form.gd_coefficients(lam=lam, eta=eta, depth=depth)
+    return jax.lax.scan(layer, form.encode(x, y, x_query=x_query),
+                        (basis, coeffs))[1]
+  return jax.jit(jax.vmap(one))
+
+
+def run_small_contraction_ab(config: ml_collections.ConfigDict
+                             ) -> dict[str, Any]:
+  """A/B of the per-item ``K^T V`` of small items (the sweep's): a batched
+  dot against the multiply-and-sum, in the sweep kernel's layers on its
+  items, at every dtype and task batch, interleaved."""
+  form = sweep.make_form(config.sweep_form, sweep_config(config, batch=1))
+  mesh = Mesh(np.array(jax.devices()), ("batch",))
+  layouts = ("multiply_sum", "dot")
+  rows = []
+  with jax.default_matmul_precision("highest"):
+    for dtype in config.dtypes:
+      for batch in config.sweep_batches:
+        args, n_items, _ = _sweep_args(config, batch, jnp.dtype(dtype), mesh)
+        calls = {
+            layout: (lambda c=_sweep_layers(
+                form, depth=config.sweep_depth,
+                small_layout=layout).lower(*args).compile(): c(*args))
+            for layout in layouts}
+        outs = [np.asarray(calls[layout]()) for layout in layouts]
+        times = time_rounds(calls, config=config)
+        row = dict(batch=batch, dtype=jnp.dtype(dtype).name, items=n_items,
+                   dot_speedup=per_round(times["multiply_sum"] / times["dot"]),
+                   max_difference=float(np.max(np.abs(outs[0] - outs[1]))
+                                        / np.max(np.abs(outs[0]))))
+        for layout in layouts:
+          row[layout] = dict(timing(times[layout]), item_layers_per_s=(
+              n_items * config.sweep_depth / float(np.median(times[layout]))))
+        rows.append(row)
+  return dict(form=config.sweep_form, rows=rows)
+
+
 # --- A/B: layouts of the token contraction K^T V -----------------------------
 
 
@@ -639,6 +688,7 @@ def format_tables(results: dict[str, Any]) -> str:
                  f"{square['gflops']:.1f} GFLOP/s")
   tables = dict(primitive=_primitive_table, stack=_stack_table,
                 sweep=_sweep_table, sweep_ab=_sweep_ab_table,
+                small_contraction_ab=_small_contraction_ab_table,
                 contraction_ab=_contraction_ab_table)
   for part, table in tables.items():
     if part in results:
@@ -718,6 +768,20 @@ def _sweep_ab_table(part: dict[str, Any]) -> list[str]:
   return lines
 
 
+def _small_contraction_ab_table(part: dict[str, Any]) -> list[str]:
+  lines = [f"per-item K^T V of the sweep's layers ({part['form']} form): "
+           "batched dot vs multiply-and-sum",
+           f"{'dtype':>8} {'batch':>6} {'multiply_sum item-layers/s':>27} "
+           f"{'dot item-layers/s':>18} {'dot speedup':>22} {'difference':>11}"]
+  for r in part["rows"]:
+    lines.append(f"{r['dtype']:>8} {r['batch']:>6} "
+                 f"{r['multiply_sum']['item_layers_per_s']:>27.4g} "
+                 f"{r['dot']['item_layers_per_s']:>18.4g} "
+                 f"{_spread(r['dot_speedup']):>22} "
+                 f"{r['max_difference']:>11.2g}")
+  return lines
+
+
 def _contraction_ab_table(part: dict[str, Any]) -> list[str]:
   lines = ["K^T V layouts: fraction of the matmul rate, alone (kv) and in "
            "elsa; elsa speedup over the library's"]
@@ -741,8 +805,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
       an empty list of sizes, or arrays that would not fit in memory.
   """
   common.check_seed(config)
-  common.check_items(config, "parts", choices=("primitive", "stack", "sweep",
-                                               "sweep_ab", "contraction_ab"))
+  common.check_items(config, "parts", choices=tuple(PARTS))
   common.check_items(config, "dtypes", choices=("float32", "float64"))
   common.check_int(config, "warmup", low=0)
   common.check_int(config, "reps")
@@ -786,9 +849,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
                            "sweep_n_query, sweep_depth and the sweep grid")
 
 
-# What config.parts may name, in the order they run.
+# What config.parts may name.
 PARTS = dict(primitive=run_primitive, stack=run_stack, sweep=run_sweep,
-             sweep_ab=run_sweep_ab, contraction_ab=run_contraction_ab)
+             sweep_ab=run_sweep_ab,
+             small_contraction_ab=run_small_contraction_ab,
+             contraction_ab=run_contraction_ab)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *,

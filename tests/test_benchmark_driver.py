@@ -207,7 +207,7 @@ def test_ab_parts_time_both_sides_in_the_same_rounds(tmp_path):
   computes what the new one does, every K^T V layout what elsa does, and
   every ratio is a per-round median inside its spread."""
   config = benchmark_config.get_config("quick")
-  config.parts = ("sweep_ab", "contraction_ab")
+  config.parts = ("sweep_ab", "small_contraction_ab", "contraction_ab")
   config.reps = config.min_reps = 2
   assert benchmark_config.get_config("ab").parts == config.parts
   results = benchmark.run(config, str(tmp_path))
@@ -224,6 +224,12 @@ def test_ab_parts_time_both_sides_in_the_same_rounds(tmp_path):
           r["items"] * r["depth"] / r[side]["median_s"])
     _per_round(r["speedup"], config)
     _per_round(r["shared_basis_fraction_of_matmul_rate"], config)
+  rows = results["small_contraction_ab"]["rows"]
+  assert [(r["dtype"], r["batch"]) for r in rows] == [
+      (d, b) for d in config.dtypes for b in config.sweep_batches]
+  for r in rows:
+    assert r["max_difference"] < (1e-5 if r["dtype"] == "float32" else 1e-13)
+    _per_round(r["dot_speedup"], config)
   rows = results["contraction_ab"]["rows"]
   assert [(r["dtype"], r["n"], r["m"]) for r in rows] == [
       (d, n, m) for d in config.dtypes for n in config.widths
@@ -238,6 +244,7 @@ def test_ab_parts_time_both_sides_in_the_same_rounds(tmp_path):
       "einsum", "dot_general", "transposed"]  # 16 does not divide 100
   text = benchmark.format_tables(results)
   assert "per-item parameter stacks" in text and "K^T V layouts" in text
+  assert "batched dot vs multiply-and-sum" in text
 
 
 def test_format_tables(quick_run):

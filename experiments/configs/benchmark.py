@@ -26,7 +26,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Which parts run, in order (experiments.benchmark.PARTS). The A/B parts
   # ('ab' variant): sweep_ab times the sweep kernel before (per-item
   # parameter stacks) and after (shared GD basis) at sweep_batches;
-  # contraction_ab the layouts of K^T V at tokens >= fit_min_tokens.
+  # small_contraction_ab the per-item K^T V of those layers as a batched dot
+  # and as a multiply-and-sum; contraction_ab the layouts of K^T V at
+  # tokens >= fit_min_tokens.
   config.parts = ("primitive", "stack", "sweep")
   # Parts 1 and 3 run in each dtype; part 2 (compile time) in the first.
   config.dtypes = ("float32", "float64")
@@ -80,7 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.contraction_blocks = (128, 512)
 
   if arg == "ab":
-    config.parts = ("sweep_ab", "contraction_ab")
+    config.parts = ("sweep_ab", "small_contraction_ab", "contraction_ab")
     config.reps = 15
     config.max_case_s = 20.0
     config.tokens = (4096, 16384)
