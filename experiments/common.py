@@ -554,9 +554,11 @@ def _release_lock(root: str, text: str) -> None:
 
 def _remove_leftover_tmp(root: str) -> None:
   """Deletes ``.tmp-*`` files of killed writes (the lock is held: none is live)
-  in the folders the driver writes to: ``root`` and those of its manifest."""
-  folders = {root} | {os.path.dirname(os.path.join(root, name))
-                      for name in _manifest(root)}
+  in the folders drivers write to: ``root``, ``figures/`` (where a driver
+  without a manifest, ``train``, saves its figures) and the folders of the
+  manifest's names."""
+  folders = {root, os.path.join(root, "figures")} | {
+      os.path.dirname(os.path.join(root, name)) for name in _manifest(root)}
   for folder in folders:
     if not os.path.isdir(folder) or os.path.islink(folder):
       continue

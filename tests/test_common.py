@@ -205,11 +205,13 @@ def test_damaged_json_names_the_file_and_the_way_out(tmp_path, name, damage,
 
 
 def test_claim_removes_leftover_temporary_files(tmp_path):
-  """Only in the folders the driver writes: the workdir and its figures."""
+  """Only in the folders drivers write: the workdir, figures/ and the
+  folders of the manifest's names."""
   workdir = str(tmp_path)
   with common.claim_workdir(workdir, _config()) as wd:
-    wd.save_figure(_figure(), "figures/a.png")
-  leftovers = [".tmp-k2j4x9a_results.json", "figures/.tmp-0abc9xyzheat.png"]
+    wd.write_json("partials/a.json", {})
+  leftovers = [".tmp-k2j4x9a_results.json", "figures/.tmp-0abc9xyzheat.png",
+               "partials/.tmp-abcdefghb.json"]
   # Not ours: no mkstemp name, or in a folder the driver never wrote to.
   kept = [".tmp-notes.txt", "mine/.tmp-0abc9xyzheat.png"]
   for name in leftovers + kept:
