@@ -34,7 +34,16 @@ Three parts, each a list of rows in ``results.json`` and a printed table:
    row's ``max_rel_err`` is the kernel's own ELSA-vs-GD error: the timed work
    is the real computation.
 
-Parts 1 and 3 run in every dtype of ``config.dtypes`` (float32, float64).
+``config.parts`` names the parts that run (:data:`PARTS`); the ``ab`` variant
+(``--config=experiments/configs/benchmark.py:ab``) runs three A/B parts
+instead: ``sweep_ab`` (the sweep kernel with a parameter stack per item, as
+before per-item coefficients, against the kernel now, on the same items),
+``small_contraction_ab`` (the per-item ``K^T V`` of those layers as a batched
+dot against a multiply-and-sum) and ``contraction_ab`` (``K^T V`` at ``m >=
+fit_min_tokens`` as ``einsum``, ``dot_general``, transposed and in token
+blocks, alone and inside ``elsa``).
+
+Parts 1 and 3 (and the A/B parts) run in every dtype of ``config.dtypes``.
 Every ratio ("fraction of X", "speedup over Y", "X / Y time") is the median of
 per-round ratios, both sides timed in the same round (:func:`time_rounds`),
 reported with its spread (min and max over the rounds): on a shared machine a
