@@ -212,13 +212,39 @@ def lsa(p: ElsaParams, h: Array, *, precision=None) -> Array:
   return _attend(mm(h, p.w3), mm(h, p.w1), mm(h, p.w2), precision)
 
 
-# Per-item K^T V at most this many multiply-adds (m k v) is a fused multiply
-# and sum: on CPU a batch of tiny dots costs more per dot than its arithmetic
-# (BUILD_NOTES, "The sweep kernel").
+# Per-item K^T V at most this many multiply-adds (m k v) keeps tokens before
+# components and is contracted per item (_small_token_contraction); above it,
+# one dot per component (BUILD_NOTES, "The sweep kernel").
 _SMALL_CONTRACTION = 2 ** 15
 
 
-def _layer(p: ElsaParams, h: Array, precision, coeffs=None) -> Array:
+def _small_token_contraction(keys: Array, values: Array, precision,
+                             layout: str | None = None) -> Array:
+  """``S = K^T V`` per item and component: ``[..., C, k, v]`` from
+  ``keys [..., m, C, k]`` and ``values [..., m, C, v]``.
+
+  ``layout``: ``"multiply_sum"`` (elementwise products summed over tokens, in
+  the dtype of the inputs: exact at any matmul precision) or ``"dot"`` (a
+  batched dot over items and components). ``None`` picks by dtype: ``dot``
+  for float64, whose dots are exact at every precision and which XLA:CPU runs
+  about 2x faster than the float64 multiply-and-sum; ``multiply_sum``
+  otherwise, faster in float32 on CPU and exact where a float32 dot might
+  run in bf16/TF32 (``python -m experiments.benchmark
+  --config=experiments/configs/benchmark.py:ab``, part
+  ``small_contraction_ab``).
+  """
+  if layout is None:
+    layout = "dot" if jnp.result_type(keys) == jnp.float64 else "multiply_sum"
+  if layout == "dot":
+    return jnp.einsum("...mck,...mcv->...ckv", keys, values,
+                      precision=precision)
+  if layout != "multiply_sum":
+    raise ValueError(f"_small_token_contraction: unknown layout {layout!r}.")
+  return jnp.sum(keys[..., :, None] * values[..., None, :], axis=-4)
+
+
+def _layer(p: ElsaParams, h: Array, precision, coeffs=None,
+           small_layout: str | None = None) -> Array:
   """``sum_c elsa(p_c, h) diag(a_c)`` as ``h (sum_c W3_c S_c) + sum_c B3_c S_c``,
   ``S_c = K_c^T V_c diag(a_c)``; ``a_c = 1`` when ``coeffs`` is ``None``.
 
@@ -230,8 +256,9 @@ def _layer(p: ElsaParams, h: Array, precision, coeffs=None) -> Array:
 
   Two layouts of the same sums: small items (``m k v`` up to
   ``_SMALL_CONTRACTION``) keep tokens before components, ``[..., m, C, k]``,
-  and contract tokens by a fused multiply and sum; large ones put components
-  first, ``[C, ..., m, k]``, so that ``K^T V`` is one dot per component.
+  and contract tokens per item (:func:`_small_token_contraction`, whose
+  ``layout`` is ``small_layout``); large ones put components first, ``[C,
+  ..., m, k]``, so that ``K^T V`` is one dot per component.
   """
   ein = functools.partial(jnp.einsum, precision=precision)
   m, k, v = jnp.shape(h)[-2], p.w1.shape[-1], p.w2.shape[-1]
@@ -239,8 +266,7 @@ def _layer(p: ElsaParams, h: Array, precision, coeffs=None) -> Array:
     # [C, m, .] -> [m, C, .] lines up with [..., m, C, .].
     keys = ein("...mn,cnk->...mck", h, p.w1) + jnp.moveaxis(p.b1, 0, 1)
     values = ein("...mn,cnv->...mcv", h, p.w2) + jnp.moveaxis(p.b2, 0, 1)
-    # Elementwise in the dtype of h: exact at any matmul precision.
-    s = jnp.sum(keys[..., :, None] * values[..., None, :], axis=-4)
+    s = _small_token_contraction(keys, values, precision, small_layout)
   else:
     # Biases [C, m, .] line up with [C, ..., m, .] as [C, 1.., m, .].
     per_component = lambda b: b.reshape(b.shape[:1] + (1,) * (jnp.ndim(h) - 2)

@@ -226,10 +226,52 @@ def solve(x: Array, y: Array, *, lam) -> Array:
 
 
 def stability_limit(x: Array, *, lam) -> Array:
-  """``2 / (lambda_max(X^T X / N) + lam)``: GD converges iff ``0 < eta <`` this. ``[...]``."""
+  """``2 / (lambda_max(X^T X / N) + lam)``: GD converges iff ``0 < eta <`` this. ``[...]``.
+
+  :func:`safe_alpha` is a step inside it without an eigendecomposition.
+  """
   _check_x("stability_limit", x)
   gram = _mm(jnp.swapaxes(x, -1, -2), x) / jnp.shape(x)[-2]
   return 2 / (jnp.linalg.eigvalsh(gram)[..., -1] + jnp.asarray(lam, x.dtype))
+
+
+def safe_alpha(x: Array, *, lam) -> Array:
+  r"""A convergent step :math:`\alpha = 1 / \|A\|_F`, ``A = X^T X / N + lam I``: ``[...]``.
+
+  GD (and Newton–Schulz) on ``A`` converge for :math:`0 < \alpha < 2 /
+  \lambda_{max}(A)`. The Frobenius norm bounds the top eigenvalue from both
+  sides, :math:`\lambda_{max} \le \|A\|_F \le \sqrt{d}\, \lambda_{max}`
+  (``A`` is symmetric positive semi-definite), so :math:`\alpha
+  \lambda_{max} \in [d^{-1/2}, 1]`: always inside the limit of
+  :func:`stability_limit`, with no eigendecomposition. From :math:`G = X^\top
+  X / N`:
+
+  .. math::
+    \|A\|_F^2 = \|G\|_F^2 + 2\lambda\,\mathrm{tr}\,G + d\lambda^2.
+
+  Args:
+    x: ``[..., N, d]``, floating, ``N >= 1``.
+    lam: ridge strength ``>= 0``, a scalar or one per task (a shape that
+      broadcasts to ``[...]``, as in :func:`gd`); may be traced.
+
+  Returns:
+    ``[...]``, in the dtype of ``x``. Infinite where ``A = 0`` (``X = 0``,
+    ``lam = 0``): any step is safe there.
+
+  Raises:
+    ValueError: ``x`` is not ``[..., N, d]`` with ``N >= 1``, ``lam`` has the
+      wrong shape, or a concrete ``lam < 0``.
+    TypeError: ``x`` is not floating.
+  """
+  _check_x("safe_alpha", x)
+  _check_lam("safe_alpha", lam, x)
+  _validate.at_least("safe_alpha", "lam", lam, low=0, strict=False)
+  d = jnp.shape(x)[-1]
+  gram = _mm(jnp.swapaxes(x, -1, -2), x) / jnp.shape(x)[-2]
+  lam = jnp.asarray(lam, x.dtype)
+  trace = jnp.trace(gram, axis1=-2, axis2=-1)
+  frob2 = jnp.sum(gram**2, axis=(-2, -1)) + 2 * lam * trace + d * lam**2
+  return 1 / jnp.sqrt(frob2)
 
 
 class Task(NamedTuple):

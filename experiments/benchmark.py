@@ -34,7 +34,16 @@ Three parts, each a list of rows in ``results.json`` and a printed table:
    row's ``max_rel_err`` is the kernel's own ELSA-vs-GD error: the timed work
    is the real computation.
 
-Parts 1 and 3 run in every dtype of ``config.dtypes`` (float32, float64).
+``config.parts`` names the parts that run (:data:`PARTS`); the ``ab`` variant
+(``--config=experiments/configs/benchmark.py:ab``) runs three A/B parts
+instead: ``sweep_ab`` (the sweep kernel with a parameter stack per item, as
+before per-item coefficients, against the kernel now, on the same items),
+``small_contraction_ab`` (the per-item ``K^T V`` of those layers as a batched
+dot against a multiply-and-sum) and ``contraction_ab`` (``K^T V`` at ``m >=
+fit_min_tokens`` as ``einsum``, ``dot_general``, transposed and in token
+blocks, alone and inside ``elsa``).
+
+Parts 1 and 3 (and the A/B parts) run in every dtype of ``config.dtypes``.
 Every ratio ("fraction of X", "speedup over Y", "X / Y time") is the median of
 per-round ratios, both sides timed in the same round (:func:`time_rounds`),
 reported with its spread (min and max over the rounds): on a shared machine a
@@ -380,14 +389,8 @@ def sweep_row(form, batch: int, dtype, mesh: Mesh,
   """The sweep kernel, direct GD and a square matmul at one task batch,
   compiled and timed in the same rounds."""
   depth, dtype = config.sweep_depth, jnp.dtype(dtype)
-  items = sweep.grid_items(sweep_config(config, batch=batch), dtype)
-  n_items = len(items["lam"])
   # The sweep pads its chunks to a multiple of the device count the same way.
-  padded = -(-n_items // mesh.size) * mesh.size
-  index = np.where(np.arange(padded) < n_items, np.arange(padded), 0)
-  split = NamedSharding(mesh, PartitionSpec("batch"))
-  args = [jax.device_put(items[k][index], split)
-          for k in ("x", "y", "x_query", "lam", "eta")]
+  args, n_items, padded = _sweep_args(config, batch, dtype, mesh)
   kernels = dict(sweep_kernel=sweep.build_measure(form, depth=depth, mesh=mesh),
                  gd=_gd_kernel(depth=depth, mesh=mesh))
   row = dict(batch=batch, dtype=dtype.name, grid=n_items // batch,
@@ -440,6 +443,245 @@ def run_sweep(config: ml_collections.ConfigDict) -> dict[str, Any]:
               devices=mesh.size, rows=rows)
 
 
+# --- A/B: the sweep kernel before and after the shared GD basis -------------
+
+
+def _components_first_layer(p: elsa.ElsaParams, h: jax.Array) -> jax.Array:
+  """``elsa_layer`` as it was before per-item coefficients (commit 3662322):
+  components first, ``K^T V`` one dot per component, no ``coeffs``."""
+  per_component = lambda b: b.reshape(b.shape[:1] + (1,) * (jnp.ndim(h) - 2)
+                                      + b.shape[1:])
+  keys = jnp.einsum("...mn,cnk->c...mk", h, p.w1) + per_component(p.b1)
+  values = jnp.einsum("...mn,cnv->c...mv", h, p.w2) + per_component(p.b2)
+  s = jnp.einsum("c...mk,c...mv->c...kv", keys, values)
+  return (jnp.einsum("...mn,...nv->...mv", h,
+                     jnp.einsum("cnk,c...kv->...nv", p.w3, s))
+          + jnp.einsum("cmk,c...kv->...mv", p.b3, s))
+
+
+def per_item_stack_task(form, x, y, x_query, lam, eta, *, depth: int
+                        ) -> dict[str, jax.Array]:
+  """:func:`experiments.sweep.measure_task` as it was before commit 3662322:
+  a parameter stack per item (``form.gd_params``), every state kept
+  (``return_all``) and then decoded. The A side of :func:`run_sweep_ab`."""
+  params = form.gd_params(lam=lam, eta=eta, depth=depth)
+  h0 = form.encode(x, y, x_query=x_query)
+  _, states = jax.lax.scan(
+      lambda h, p: (_components_first_layer(p, h),) * 2, h0, params)
+  states = jnp.concatenate([h0[None], states])
+  w_gd = ridge.gd(x, y, lam=lam, eta=eta, steps=depth).reshape(depth + 1, -1)
+  w_elsa = form.decode_w(states).reshape(w_gd.shape)
+  w_ridge = ridge.solve(x, y, lam=lam).reshape(-1)
+  return dict(rel_err=common.relative_error(w_elsa, w_gd),
+              elsa_to_ridge=common.relative_error(w_elsa, w_ridge),
+              gd_to_ridge=common.relative_error(w_gd, w_ridge))
+
+
+def _sweep_args(config, batch: int, dtype, mesh: Mesh):
+  """The sweep's items for ``batch`` tasks per grid point, padded and sharded
+  as the sweep does it; returns ``(args, n_items, padded)``."""
+  items = sweep.grid_items(sweep_config(config, batch=batch), dtype)
+  n_items = len(items["lam"])
+  padded = -(-n_items // mesh.size) * mesh.size
+  index = np.where(np.arange(padded) < n_items, np.arange(padded), 0)
+  split = NamedSharding(mesh, PartitionSpec("batch"))
+  return ([jax.device_put(items[k][index], split)
+           for k in ("x", "y", "x_query", "lam", "eta")], n_items, padded)
+
+
+def sweep_ab_row(form, batch: int, dtype, mesh: Mesh,
+                 config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Per-item stacks (A) against the sweep's kernel (B) and a square matmul,
+  on the same items, timed in the same rounds."""
+  depth, dtype = config.sweep_depth, jnp.dtype(dtype)
+  args, n_items, padded = _sweep_args(config, batch, dtype, mesh)
+  split = NamedSharding(mesh, PartitionSpec("batch"))
+  per_item = jax.jit(
+      jax.vmap(lambda *a: per_item_stack_task(form, *a, depth=depth)),
+      in_shardings=(split,) * 5,
+      out_shardings=NamedSharding(mesh, PartitionSpec()))
+  kernels = dict(per_item_stacks=per_item,
+                 shared_basis=sweep.build_measure(form, depth=depth,
+                                                  mesh=mesh))
+  calls = {name: (lambda c=kernel.lower(*args).compile(): c(*args))
+           for name, kernel in kernels.items()}
+  calls["matmul"], matmul_flops = square_matmul(config.square_matmul_size,
+                                                dtype, config)
+  times = time_rounds(calls, config=config)
+  _, c, _, k = form.gd_basis(depth=1).w1.shape  # [L, C, n, k]
+  flops = padded * depth * layer_flops(form.m, form.n, k, form.n, c)
+  row = dict(batch=batch, dtype=dtype.name, items=n_items, depth=depth,
+             flops=flops)
+  for name in kernels:
+    row[name] = dict(timing(times[name]),
+                     item_layers_per_s=n_items * depth
+                     / float(np.median(times[name])))
+  row["speedup"] = per_round(times["per_item_stacks"] / times["shared_basis"])
+  row["shared_basis_fraction_of_matmul_rate"] = per_round(
+      (flops / times["shared_basis"]) / (matmul_flops / times["matmul"]))
+  row["matmul_gflops"] = matmul_flops / float(np.median(times["matmul"])) / 1e9
+  # Both compute the same numbers: the A side is the old kernel, not a toy.
+  errors = [np.asarray(calls[name]()["rel_err"])[:n_items] for name in kernels]
+  row["max_rel_err"] = float(np.max(errors[1]))
+  row["max_rel_err_difference"] = float(np.max(np.abs(errors[0] - errors[1])))
+  return row
+
+
+def run_sweep_ab(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """A/B of the sweep kernel: per-item parameter stacks (before commit
+  3662322) against the shared GD basis with per-item coefficients (now), at
+  every dtype and task batch, interleaved."""
+  form = sweep.make_form(config.sweep_form, sweep_config(config, batch=1))
+  mesh = Mesh(np.array(jax.devices()), ("batch",))
+  rows = []
+  with jax.default_matmul_precision("highest"):
+    for dtype in config.dtypes:
+      for batch in config.sweep_batches:
+        rows.append(sweep_ab_row(form, batch, dtype, mesh, config))
+  return dict(form=config.sweep_form, rows=rows)
+
+
+def _sweep_layers(form, *, depth: int, small_layout: str):
+  """The ELSA layers of the sweep kernel alone (no GD or ridge reference),
+  with the per-item ``K^T V`` laid out as ``small_layout``: ``(x, y, x_query,
+  lam, eta) -> w [B, depth, d]``."""
+  from elsa import attention  # pylint: disable=g-import-not-at-top
+
+  def one(x, y, x_query, lam, eta):
+    def layer(h, params_and_coeffs):
+      params, coeffs = params_and_coeffs
+      h = attention._layer(params, h, None, coeffs, small_layout=small_layout)  # pylint: disable=protected-access
+      return h, form.decode_w(h)
+    basis = form.gd_basis(depth=depth, dtype=x.dtype)
+    coeffs = form.gd_coefficients(lam=lam, eta=eta, depth=depth)
+    return jax.lax.scan(layer, form.encode(x, y, x_query=x_query),
+                        (basis, coeffs))[1]
+  return jax.jit(jax.vmap(one))
+
+
+def run_small_contraction_ab(config: ml_collections.ConfigDict
+                             ) -> dict[str, Any]:
+  """A/B of the per-item ``K^T V`` of small items (the sweep's): a batched
+  dot against the multiply-and-sum, in the sweep kernel's layers on its
+  items, at every dtype and task batch, interleaved."""
+  form = sweep.make_form(config.sweep_form, sweep_config(config, batch=1))
+  mesh = Mesh(np.array(jax.devices()), ("batch",))
+  layouts = ("multiply_sum", "dot")
+  rows = []
+  with jax.default_matmul_precision("highest"):
+    for dtype in config.dtypes:
+      for batch in config.sweep_batches:
+        args, n_items, _ = _sweep_args(config, batch, jnp.dtype(dtype), mesh)
+        calls = {
+            layout: (lambda c=_sweep_layers(
+                form, depth=config.sweep_depth,
+                small_layout=layout).lower(*args).compile(): c(*args))
+            for layout in layouts}
+        outs = [np.asarray(calls[layout]()) for layout in layouts]
+        times = time_rounds(calls, config=config)
+        row = dict(batch=batch, dtype=jnp.dtype(dtype).name, items=n_items,
+                   dot_speedup=per_round(times["multiply_sum"] / times["dot"]),
+                   max_difference=float(np.max(np.abs(outs[0] - outs[1]))
+                                        / np.max(np.abs(outs[0]))))
+        for layout in layouts:
+          row[layout] = dict(timing(times[layout]), item_layers_per_s=(
+              n_items * config.sweep_depth / float(np.median(times[layout]))))
+        rows.append(row)
+  return dict(form=config.sweep_form, rows=rows)
+
+
+# --- A/B: layouts of the token contraction K^T V -----------------------------
+
+
+def _contract_tokens(layout: str, keys: jax.Array, values: jax.Array
+                     ) -> jax.Array:
+  """``K^T V``, ``[k, v]`` from ``keys [m, k]`` and ``values [m, v]``, laid out as ``layout``.
+
+  ``einsum`` (the library's, a ``dot`` contracting axis 0 of both);
+  ``dot_general`` (the same dimension numbers written out); ``transposed``
+  (``K`` transposed first, then a plain ``[k, m] @ [m, v]``); ``block<b>``
+  (tokens in blocks of ``b``: a batched ``[m/b]`` dot of ``[b, k]^T [b, v]``,
+  then a sum over blocks; ``m`` must be a multiple of ``b``).
+  """
+  if layout == "einsum":
+    return jnp.einsum("mk,mv->kv", keys, values)
+  if layout == "dot_general":
+    return jax.lax.dot_general(keys, values, (((0,), (0,)), ((), ())))
+  if layout == "transposed":
+    return jnp.matmul(jnp.transpose(keys), values)
+  block = int(layout.removeprefix("block"))
+  m = keys.shape[0]
+  return jnp.einsum("cbk,cbv->ckv", keys.reshape(m // block, block, -1),
+                    values.reshape(m // block, block, -1)).sum(0)
+
+
+def _elsa_with(layout: str):
+  """``elsa.elsa`` (the library's evaluation order) with ``K^T V`` as ``layout``."""
+  def forward(p, h):
+    kv = _contract_tokens(layout, h @ p.w1 + p.b1, h @ p.w2 + p.b2)
+    return h @ (p.w3 @ kv) + p.b3 @ kv
+  return forward
+
+
+def contraction_layouts(m: int, config: ml_collections.ConfigDict
+                        ) -> list[str]:
+  """The layouts tried at ``m`` tokens: blocks only where they divide ``m``."""
+  return ["einsum", "dot_general", "transposed"] + [
+      f"block{b}" for b in config.contraction_blocks if m % b == 0 and b < m]
+
+
+def contraction_ab_row(m: int, n: int, dtype, config: ml_collections.ConfigDict
+                       ) -> dict[str, Any]:
+  """Every layout of ``K^T V``, alone (against ``[m, n] @ [n, n]``, the same
+  FLOPs) and inside ``elsa`` (against the same-FLOP matmul and against the
+  library's ``elsa``), timed in the same rounds."""
+  dtype = jnp.dtype(dtype)
+  rng = np.random.default_rng(config.seed)
+  p = random_params(rng, m=m, n=n, k=n, scale=n ** -0.5, dtype=dtype)
+  h, keys, values = (normal(rng, (m, n), dtype) for _ in range(3))
+  square = normal(rng, (n, n), dtype)
+  flops = elsa_flops(m, n, n, n)
+  width = math.ceil(flops / (2 * m * n))
+  wide = normal(rng, (n, width), dtype)
+  compile_ = lambda f, *a: (lambda c=jax.jit(f).lower(*a).compile(): c(*a))
+  layouts = contraction_layouts(m, config)
+  calls = dict(library=compile_(elsa.elsa, p, h),
+               matmul=compile_(jnp.matmul, h, wide),
+               matmul_square=compile_(jnp.matmul, keys, square))
+  reference = np.asarray(elsa.elsa(p, h))
+  for layout in layouts:
+    calls[f"elsa_{layout}"] = compile_(_elsa_with(layout), p, h)
+    calls[f"kv_{layout}"] = compile_(
+        lambda a, b, layout=layout: _contract_tokens(layout, a, b), keys,
+        values)
+    got = np.asarray(calls[f"elsa_{layout}"]())
+    error = np.max(np.abs(got - reference)) / np.max(np.abs(reference))
+    if not error < (1e-4 if dtype == jnp.float32 else 1e-10):
+      raise AssertionError(f"layout {layout}: relative difference {error}")
+  times = time_rounds(calls, config=config)
+  rate = lambda name, f: f / times[name]
+  row = dict(m=m, n=n, dtype=dtype.name, layouts=layouts,
+             library_fraction_of_matmul_rate=per_round(
+                 rate("library", flops) / rate("matmul", 2 * m * n * width)))
+  for layout in layouts:
+    row[layout] = dict(
+        kv_fraction_of_matmul_rate=per_round(
+            times["matmul_square"] / times[f"kv_{layout}"]),
+        elsa_fraction_of_matmul_rate=per_round(
+            rate(f"elsa_{layout}", flops) / rate("matmul", 2 * m * n * width)),
+        elsa_speedup_over_library=per_round(
+            times["library"] / times[f"elsa_{layout}"]))
+  return row
+
+
+def run_contraction_ab(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """A/B of the layouts of ``K^T V`` at every dtype, width and ``m >=
+  fit_min_tokens``, interleaved."""
+  return dict(rows=[contraction_ab_row(m, n, dtype, config)
+                    for dtype in config.dtypes for n in config.widths
+                    for m in config.tokens if m >= config.fit_min_tokens])
+
+
 def _spread(ratio: dict[str, float] | None) -> str:
   """``median [min-max]`` of a per-round ratio, or ``-``."""
   if ratio is None:
@@ -453,10 +695,22 @@ def format_tables(results: dict[str, Any]) -> str:
   for square in results["square_matmul"]:
     lines.append(f"square matmul {square['size']}^3 {square['dtype']}: "
                  f"{square['gflops']:.1f} GFLOP/s")
+  tables = dict(primitive=_primitive_table, stack=_stack_table,
+                sweep=_sweep_table, sweep_ab=_sweep_ab_table,
+                small_contraction_ab=_small_contraction_ab_table,
+                contraction_ab=_contraction_ab_table)
+  for part, table in tables.items():
+    if part in results:
+      lines.extend(table(results[part]))
+  return "\n".join(lines)
+
+
+def _primitive_table(part: dict[str, Any]) -> list[str]:
+  lines = []
   lines.append(f"{'dtype':>8} {'n':>5} {'m':>7} {'elsa ms':>9} {'GFLOP/s':>8} "
                f"{'matmul GFLOP/s':>15} {'of matmul rate':>20} {'quad ms':>9} "
                f"{'speedup':>20} {'elsa MiB':>9} {'quad MiB':>9}")
-  for r in results["primitive"]["rows"]:
+  for r in part["rows"]:
     quad = r["quadratic"]
     quad_ms = ("skipped" if "skipped" in quad
                else f"{quad['median_s'] * 1e3:.3g}")
@@ -469,10 +723,14 @@ def format_tables(results: dict[str, Any]) -> str:
         f"{_spread(r['fraction_of_matmul_rate']):>20} {quad_ms:>9} "
         f"{_spread(r['speedup_vs_quadratic']):>20} "
         f"{elsa_mib:>9} {quad['bytes'] / 2**20:>9.4g}")
-  lines.append(f"time exponent in m: {results['primitive']['time_exponent']}")
+  lines.append(f"time exponent in m: {part['time_exponent']}")
+  return lines
+
+
+def _stack_table(stack: dict[str, Any]) -> list[str]:
+  lines = []
   lines.append(f"{'kind':>9} {'depth':>6} {'lower s':>8} {'compile s':>10} "
                f"{'run ms':>9} {'us/layer':>9}")
-  stack = results["stack"]
   for kind in ("scan", "unrolled"):
     for r in stack[kind]:
       lines.append(f"{kind:>9} {r['depth']:>6} {r['lower_s']:>8.3f} "
@@ -480,12 +738,17 @@ def format_tables(results: dict[str, Any]) -> str:
                    f"{r['layer_s'] * 1e6:>9.3g}")
   lines.append("compile time, deepest / shallowest scan: "
                f"{_spread(stack['compile_ratio_deepest_to_shallowest'])}")
-  lines.append(f"sweep kernel ({results['sweep']['form']} form) vs direct GD:")
+  return lines
+
+
+def _sweep_table(part: dict[str, Any]) -> list[str]:
+  lines = []
+  lines.append(f"sweep kernel ({part['form']} form) vs direct GD:")
   lines.append(f"{'dtype':>8} {'batch':>6} {'grid':>5} {'depth':>6} "
                f"{'sweep item-layers/s':>20} {'GFLOP/s':>8} "
                f"{'of matmul rate':>20} {'gd item-layers/s':>17} "
                f"{'sweep/gd time':>20} {'max rel_err':>12}")
-  for r in results["sweep"]["rows"]:
+  for r in part["rows"]:
     lines.append(
         f"{r['dtype']:>8} {r['batch']:>6} {r['grid']:>5} {r['depth']:>6} "
         f"{r['sweep_kernel']['item_layers_per_s']:>20.4g} "
@@ -494,7 +757,53 @@ def format_tables(results: dict[str, Any]) -> str:
         f"{r['gd']['item_layers_per_s']:>17.4g} "
         f"{_spread(r['sweep_kernel_over_gd_time']):>20} "
         f"{r['max_rel_err']:>12.2g}")
-  return "\n".join(lines)
+  return lines
+
+
+def _sweep_ab_table(part: dict[str, Any]) -> list[str]:
+  lines = [f"sweep kernel A/B ({part['form']} form): per-item parameter "
+           "stacks (A) vs shared GD basis (B)",
+           f"{'dtype':>8} {'batch':>6} {'A item-layers/s':>16} "
+           f"{'B item-layers/s':>16} {'B speedup over A':>22} "
+           f"{'B of matmul rate':>22} {'|A - B| rel_err':>16}"]
+  for r in part["rows"]:
+    lines.append(
+        f"{r['dtype']:>8} {r['batch']:>6} "
+        f"{r['per_item_stacks']['item_layers_per_s']:>16.4g} "
+        f"{r['shared_basis']['item_layers_per_s']:>16.4g} "
+        f"{_spread(r['speedup']):>22} "
+        f"{_spread(r['shared_basis_fraction_of_matmul_rate']):>22} "
+        f"{r['max_rel_err_difference']:>16.2g}")
+  return lines
+
+
+def _small_contraction_ab_table(part: dict[str, Any]) -> list[str]:
+  lines = [f"per-item K^T V of the sweep's layers ({part['form']} form): "
+           "batched dot vs multiply-and-sum",
+           f"{'dtype':>8} {'batch':>6} {'multiply_sum item-layers/s':>27} "
+           f"{'dot item-layers/s':>18} {'dot speedup':>22} {'difference':>11}"]
+  for r in part["rows"]:
+    lines.append(f"{r['dtype']:>8} {r['batch']:>6} "
+                 f"{r['multiply_sum']['item_layers_per_s']:>27.4g} "
+                 f"{r['dot']['item_layers_per_s']:>18.4g} "
+                 f"{_spread(r['dot_speedup']):>22} "
+                 f"{r['max_difference']:>11.2g}")
+  return lines
+
+
+def _contraction_ab_table(part: dict[str, Any]) -> list[str]:
+  lines = ["K^T V layouts: fraction of the matmul rate, alone (kv) and in "
+           "elsa; elsa speedup over the library's"]
+  for r in part["rows"]:
+    lines.append(f"{r['dtype']} n={r['n']} m={r['m']}: library elsa "
+                 f"{_spread(r['library_fraction_of_matmul_rate'])}")
+    for layout in r["layouts"]:
+      got = r[layout]
+      lines.append(
+          f"  {layout:>12}: kv {_spread(got['kv_fraction_of_matmul_rate'])}, "
+          f"elsa {_spread(got['elsa_fraction_of_matmul_rate'])}, speedup "
+          f"{_spread(got['elsa_speedup_over_library'])}")
+  return lines
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -504,7 +813,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     experiments.common.ConfigError: a field outside its range, a NaN or inf,
       an empty list of sizes, or arrays that would not fit in memory.
   """
-  common.check_int(config, "seed", low=0)
+  common.check_seed(config)
+  common.check_items(config, "parts", choices=tuple(PARTS))
   common.check_items(config, "dtypes", choices=("float32", "float64"))
   common.check_int(config, "warmup", low=0)
   common.check_int(config, "reps")
@@ -514,6 +824,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     common.check_items(config, field, integer=True, low=1)
   common.check_items(config, "unrolled_depths", integer=True, low=1,
                      allow_empty=True)
+  common.check_items(config, "contraction_blocks", integer=True, low=1)
   for field in ("fit_min_tokens", "square_matmul_size", "stack_tokens",
                 "stack_width", "stack_components", "compile_reps",
                 "sweep_n_train", "sweep_d", "sweep_n_query", "sweep_depth"):
@@ -536,11 +847,27 @@ def validate(config: ml_collections.ConfigDict) -> None:
                       * config.stack_width
                       + 3 * config.square_matmul_size ** 2),
       fields="tokens, widths, stack_* and square_matmul_size")
+  # Part 3 and its A/B: the sweep's own estimate for the largest batch, run
+  # as one chunk.
+  sweep_run = sweep_config(config, batch=max(config.sweep_batches))
+  sweep_run.update(forms=(config.sweep_form,), depth=config.sweep_depth,
+                   chunk_size=sweep._n_items(sweep_run),  # pylint: disable=protected-access
+                   dtype=max(config.dtypes, key=lambda d: jnp.dtype(d).itemsize))
+  common.check_fits(sweep.bytes_needed(sweep_run),
+                    fields="sweep_batches, sweep_n_train, sweep_d, "
+                           "sweep_n_query, sweep_depth and the sweep grid")
+
+
+# What config.parts may name.
+PARTS = dict(primitive=run_primitive, stack=run_stack, sweep=run_sweep,
+             sweep_ab=run_sweep_ab,
+             small_contraction_ab=run_small_contraction_ab,
+             contraction_ab=run_contraction_ab)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *,
         overwrite: bool = False) -> dict[str, Any]:
-  """Runs every part, writes ``results.json`` and returns the results.
+  """Runs the parts of ``config.parts``, writes ``results.json`` and returns the results.
 
   A workdir that already holds results of the same config is not re-measured:
   its results are returned. ``overwrite`` (as for every driver) first deletes
@@ -564,9 +891,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
       return found
     results = dict(machine=machine(), square_matmul=[
         square_matmul_rate(dtype, config) for dtype in config.dtypes])
-    results["primitive"] = run_primitive(config)
-    results["stack"] = run_stack(config)
-    results["sweep"] = run_sweep(config)
+    for part in config.parts:
+      logging.info("benchmark: part %s", part)
+      results[part] = PARTS[part](config)
     results["load_average_after"] = list(os.getloadavg())
     wd.write_json("results.json", results)
   return results

@@ -10,14 +10,17 @@ through the :class:`Workdir` it gets. The workdir then guarantees:
 * One run at a time. The claim holds ``.elsa-lock`` (the holder's pid and
   host) until the run ends; a second claim is refused while the holder is
   alive, and takes the lock over when its process is gone (same host).
-* One config. ``config.json`` holds the config in canonical form; a different
-  config is refused unless ``overwrite``. Every output written through the
-  workdir carries the config's hash and a checksum of its content, verified
-  when read: a file of another config, altered or truncated is reported,
-  naming the file and the way out, and never used.
+* One config. ``config.json`` holds the config in canonical form (NaN as
+  ``"nan"``, so a NaN equals itself; numbers by value, ``0`` as ``0.0``); a
+  different config is refused unless ``overwrite``. Every output written
+  through the workdir carries the config's hash and a checksum of its
+  content, verified when read: a file of another config, altered or
+  truncated is reported, naming the file and the way out, and never used.
 * ``overwrite`` starts afresh: it deletes what this driver wrote (the names in
   the manifest ``.elsa-outputs.json``, plus ``config.json``, ``results.json``
-  and the exact names the driver declares ``owned``) and nothing else.
+  and the exact names the driver declares ``owned``) and nothing else. The
+  manifest lists only paths inside the workdir; a damaged one (or a damaged
+  ``config.json``) is refused by name, and ``overwrite`` clears it.
 """
 
 from __future__ import annotations
@@ -68,13 +71,14 @@ class ConfigError(ValueError):
 
 
 def _range_text(low, high, low_open: bool, high_open: bool) -> str:
+  num = lambda x: str(x) if isinstance(x, int) else f"{x:g}"
   if low is not None and high is not None:
-    return (f"in {'(' if low_open else '['}{low:g}, {high:g}"
+    return (f"in {'(' if low_open else '['}{num(low)}, {num(high)}"
             f"{')' if high_open else ']'}")
   if low is not None:
-    return f"{'>' if low_open else '>='} {low:g}"
+    return f"{'>' if low_open else '>='} {num(low)}"
   if high is not None:
-    return f"{'<' if high_open else '<='} {high:g}"
+    return f"{'<' if high_open else '<='} {num(high)}"
   return "finite"
 
 
@@ -119,11 +123,13 @@ def check_choice(config, field: str, choices: Sequence[str]) -> str:
 def check_items(config, field: str, *, integer: bool = False,
                 choices: Sequence[str] | None = None, allow_empty: bool = False,
                 **number_range) -> tuple:
-  """``config[field]``, a tuple (or list) whose items each pass the check.
+  """``config[field]``, a tuple (or list) of distinct items that each pass the check.
 
   Items are strings from ``choices`` if given, else numbers (ints if
   ``integer``) in the range given as ``low``/``high``/``low_open``/
-  ``high_open``, as :func:`check_float`.
+  ``high_open``, as :func:`check_float`. An item given twice is refused: a
+  grid axis lists each value once (a repeat would repeat its results under
+  one key).
   """
   items = config[field]
   if not isinstance(items, (tuple, list)) or (not items and not allow_empty):
@@ -136,7 +142,20 @@ def check_items(config, field: str, *, integer: bool = False,
                           f"{list(choices)}, got {item!r}.")
     else:
       _check_number(f"{field}[{i}]", item, integer=integer, **number_range)
+    if item in items[:i]:
+      raise ConfigError(f"config.{field}[{i}] repeats config.{field}"
+                        f"[{list(items).index(item)}] ({item!r}); list each "
+                        "value once.")
   return tuple(items)
+
+
+# jax.random.key and numpy's generators take seeds up to this.
+_MAX_SEED = 2 ** 63 - 1
+
+
+def check_seed(config, field: str = "seed") -> int:
+  """``config[field]``, an int in ``[0, 2**63 - 1]`` (what ``jax.random.key`` takes)."""
+  return check_int(config, field, low=0, high=_MAX_SEED)
 
 
 def memory_bytes() -> int:
@@ -188,9 +207,26 @@ def _digest(obj: Any) -> str:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _numbers_alike(obj: Any) -> Any:
+  """``obj`` with ints as floats where that is exact (bools stay bools): what
+  the hash sees, so that ``0`` and ``0.0``, equal in the comparison of
+  ``config.json``, also hash alike (``--config.lams='(0, 0.1)'`` then resumes
+  a run of ``(0.0, 0.1)``)."""
+  if isinstance(obj, bool):
+    return obj
+  if isinstance(obj, int):
+    return float(obj) if abs(obj) <= 2 ** 53 else obj
+  if isinstance(obj, dict):
+    return {k: _numbers_alike(v) for k, v in obj.items()}
+  if isinstance(obj, list):
+    return [_numbers_alike(v) for v in obj]
+  return obj
+
+
 def config_hash(config: ml_collections.ConfigDict) -> str:
-  """A hash of the canonical config; equal configs, equal hashes."""
-  return _digest(config_dict(config))[:16]
+  """A hash of the canonical config; equal configs, equal hashes (numbers by
+  value: ``0`` and ``0.0`` alike, as ``==`` has them)."""
+  return _digest(_numbers_alike(config_dict(config)))[:16]
 
 
 # --- files -------------------------------------------------------------------
@@ -319,7 +355,14 @@ class Workdir:
 
   def own(self, name: str) -> None:
     """Records ``name`` (a file or folder written by other code) as this
-    driver's, for ``overwrite`` to delete."""
+    driver's, for ``overwrite`` to delete.
+
+    Raises:
+      ValueError: ``name`` is not a relative path inside the workdir.
+    """
+    if not _inside(name):
+      raise ValueError(f"Workdir.own: {name!r} is not a path inside the "
+                       "workdir (relative, without '..').")
     names = _manifest(self.root)
     if name not in names:
       write_json(self.path(MANIFEST), sorted(names | {name}))
@@ -396,9 +439,37 @@ class Workdir:
                           "damaged after it was written; " + _way_out(path))
 
 
+def _inside(name) -> bool:
+  """Whether ``name`` is a relative path below the workdir (not the workdir
+  itself): what a manifest may list, so ``overwrite`` never deletes outside."""
+  if not isinstance(name, str) or not name or os.path.isabs(name):
+    return False
+  parts = os.path.normpath(name).split(os.sep)
+  return ".." not in parts and parts != ["."] and "" not in parts
+
+
 def _manifest(root: str) -> set[str]:
-  names = read_json(os.path.join(root, MANIFEST))
-  return set(names or ())
+  """The names the manifest lists.
+
+  Raises:
+    CorruptOutput: it is not valid JSON, or not a list of names inside
+      ``root``.
+  """
+  path = os.path.join(root, MANIFEST)
+  try:
+    names = read_json(path)
+  except CorruptOutput:
+    names = "damaged"
+  if names is None:
+    return set()
+  if not isinstance(names, list) or not all(_inside(n) for n in names):
+    raise CorruptOutput(
+        f"{path!r}, the list of what the driver wrote in this workdir (what "
+        "--overwrite deletes), is damaged. Rerun with --overwrite to start "
+        "afresh: it then deletes only config.json, results.json and the "
+        "driver's own partial files, and keeps every other file (delete "
+        "figures you no longer want by hand); or use another --workdir.")
+  return set(names)
 
 
 def _lock_text() -> str:
@@ -482,11 +553,20 @@ def _release_lock(root: str, text: str) -> None:
 
 
 def _remove_leftover_tmp(root: str) -> None:
-  """Deletes ``.tmp-*`` files of killed writes (the lock is held: none is live)."""
-  for folder, _, files in os.walk(root):
-    for name in files:
-      if _TMP_NAME.match(name) and not name.endswith(LOCK):
-        os.remove(os.path.join(folder, name))
+  """Deletes ``.tmp-*`` files of killed writes (the lock is held: none is live)
+  in the folders drivers write to: ``root``, ``figures/`` (where a driver
+  without a manifest, ``train``, saves its figures) and the folders of the
+  manifest's names."""
+  folders = {root, os.path.join(root, "figures")} | {
+      os.path.dirname(os.path.join(root, name)) for name in _manifest(root)}
+  for folder in folders:
+    if not os.path.isdir(folder) or os.path.islink(folder):
+      continue
+    for name in os.listdir(folder):
+      path = os.path.join(folder, name)
+      if (_TMP_NAME.match(name) and not name.endswith(LOCK)
+          and os.path.isfile(path)):
+        os.remove(path)
 
 
 def _outputs(root: str, owned: Sequence[str]) -> list[str]:
@@ -527,10 +607,17 @@ def _check_config_json(root: str, wanted: dict, overwrite: bool,
   path = os.path.join(root, "config.json")
   try:
     found = read_json(path)
+    damaged = found is not None and not isinstance(found, dict)
   except CorruptOutput:
+    damaged = True
+  if damaged:
     if overwrite:
       return
-    raise
+    raise CorruptOutput(
+        f"{path!r} is damaged (not a JSON object), so nothing says which "
+        "config made this workdir's outputs. Rerun with --overwrite to start "
+        "afresh (it deletes only what the driver wrote), or use another "
+        "--workdir.")
   if found is not None:
     found = canonical(found)
   outputs = [n for n in _outputs(root, owned) if n != "config.json"]
@@ -547,14 +634,28 @@ def _check_config_json(root: str, wanted: dict, overwrite: bool,
                      "or pass --overwrite to replace them.")
 
 
+def _check_manifest(root: str, overwrite: bool) -> None:
+  """Refuses a damaged manifest; ``overwrite`` deletes it (with a warning)."""
+  try:
+    _manifest(root)
+  except CorruptOutput:
+    if not overwrite:
+      raise
+    os.remove(os.path.join(root, MANIFEST))
+    logging.warning("--overwrite: %s was damaged and is deleted; files it "
+                    "listed beyond the driver's fixed names stay in %s.",
+                    MANIFEST, root)
+
+
 @contextlib.contextmanager
 def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
                   overwrite: bool = False, owned: Sequence[str] = ()
                   ) -> Iterator[Workdir]:
   """Holds ``workdir`` for one run of ``config``; yields its :class:`Workdir`.
 
-  In order: takes the lock (refused while another live run holds it), removes
-  leftover ``.tmp-*`` files, refuses a different config unless ``overwrite``,
+  In order: takes the lock (refused while another live run holds it), checks
+  the manifest, removes leftover ``.tmp-*`` files, refuses a different (or a
+  damaged) config unless ``overwrite``,
   and with ``overwrite`` deletes what the driver wrote before (see the module
   docstring) and only then writes ``config.json``: an interruption in between
   leaves a workdir that resumes nothing stale. A matching config is left as
@@ -569,11 +670,13 @@ def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
   Raises:
     WorkdirInUse: another run holds the lock, or the workdir holds another
       config's outputs and ``overwrite`` is off.
-    CorruptOutput: ``config.json`` is unreadable and ``overwrite`` is off.
+    CorruptOutput: ``config.json`` or the manifest is damaged and
+      ``overwrite`` is off.
   """
   os.makedirs(workdir, exist_ok=True)
   lock = _acquire_lock(workdir)
   try:
+    _check_manifest(workdir, overwrite)
     _remove_leftover_tmp(workdir)
     wanted = config_dict(config)
     _check_config_json(workdir, wanted, overwrite, owned)

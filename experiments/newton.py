@@ -231,11 +231,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
     experiments.common.ConfigError: a field outside its range, a NaN or inf,
       an empty ``kappas``, or arrays that would not fit in memory.
   """
-  common.check_int(config, "seed", low=0)
+  common.check_seed(config)
   kappas = common.check_items(config, "kappas", low=1)
   for field in ("d", "n_query", "tasks_per_kappa", "depth"):
     common.check_int(config, field)
-  common.check_int(config, "n_train", low=config.d)
+  if common.check_int(config, "n_train") < config.d:
+    raise common.ConfigError(f"config.n_train must be an int >= config.d "
+                             f"({config.d}), got {config.n_train}.")
   common.check_float(config, "lam", low=0, high=1 / max(kappas),
                      high_open=True)
   common.check_float(config, "noise", low=0)

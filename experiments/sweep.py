@@ -35,8 +35,8 @@ hash and a checksum of its content, verified on resume
 (:class:`experiments.common.Workdir`); the run holds the workdir's lock.
 
 The config is checked before the workdir is claimed (:func:`validate`):
-``lams >= 0``, ``etas > 0``, positive sizes, finite numbers, and arrays that
-fit in memory. ``config.dtype = "float64"`` turns on ``jax_enable_x64`` for
+``lams >= 0``, ``etas > 0``, positive sizes, finite numbers, no value listed
+twice, and arrays that fit in memory. ``config.dtype = "float64"`` turns on ``jax_enable_x64`` for
 the run and restores the previous setting after it.
 
 Multi-host (``--distributed``): process 0 alone writes; every process runs the
@@ -216,9 +216,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     experiments.common.ConfigError: a field outside its range, a NaN or inf,
       an empty grid, or arrays that would not fit in memory.
   """
-  common.check_int(config, "seed", low=0)
-  form_names = common.check_items(config, "forms",
-                                  choices=sorted(_FORM_CLASSES))
+  common.check_seed(config)
+  common.check_items(config, "forms", choices=sorted(_FORM_CLASSES))
   for field in ("n_train", "d", "n_query", "n_tasks", "depth", "chunk_size"):
     common.check_int(config, field)
   common.check_float(config, "noise", low=0)
@@ -226,14 +225,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
   common.check_choice(config, "eta_mode", ("fraction", "absolute"))
   common.check_items(config, "etas", low=0, low_open=True)
   common.check_choice(config, "dtype", ("float32", "float64"))
-  common.check_fits(_bytes_needed(config, form_names),
+  common.check_fits(bytes_needed(config),
                     fields="n_train, d, n_query, n_tasks, depth, chunk_size "
                            "and the grid")
 
 
-def _bytes_needed(config: ml_collections.ConfigDict, form_names) -> int:
-  """About what a run holds at once: the flat batch of inputs, and one chunk's
-  stack parameters, states and GD iterates at every depth (a few copies)."""
+def bytes_needed(config: ml_collections.ConfigDict) -> int:
+  """About what a run of ``config`` holds at once: the flat batch of inputs,
+  and one chunk's stack parameters, states and GD iterates at every depth (a
+  few copies). The benchmark sizes its sweep part with it."""
+  form_names = config.forms
   itemsize = 8 if config.dtype == "float64" else 4
   n_items = _n_items(config)
   chunk = min(config.chunk_size, n_items)

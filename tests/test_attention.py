@@ -397,3 +397,32 @@ def test_one_validation_policy():
     _validate.at_least("f", "eta", -1.0, low=0, strict=True)
   # A traced value cannot be checked; it passes.
   jax.jit(lambda v: _validate.at_least("f", "eta", v, low=0, strict=True))(-1.0)
+
+
+@pytest.mark.parametrize("dtype, bound", [(jnp.float64, 1e-12),
+                                          (jnp.float32, 2e-6)])
+def test_small_token_contraction_layouts_agree_with_numpy(dtype, bound):
+  """Both layouts of the per-item K^T V (the float64 default is the dot, the
+  float32 one the multiply-and-sum) against numpy, and the float32 stack on
+  the small path against the float64 loop. float32, measured over 8 seeds:
+  the contraction 1.4e-7 (bound 2e-6), the 4-layer stack 3.9e-6 (bound
+  2e-5)."""
+  from elsa import attention  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(11)
+  keys, values = rng.normal(size=(3, 7, 2, 4)), rng.normal(size=(3, 7, 2, 5))
+  want = np.einsum("bmck,bmcv->bckv", keys, values)
+  for layout in ("multiply_sum", "dot", None):
+    got = attention._small_token_contraction(
+        jnp.asarray(keys, dtype), jnp.asarray(values, dtype), "highest",
+        layout)
+    assert got.dtype == dtype and rel_err(got, want) < bound, layout
+  with pytest.raises(ValueError, match="unknown layout 'fold'"):
+    attention._small_token_contraction(keys, values, None, "fold")
+  L, C, m, n, k, scale = LAYER_SHAPES[0]
+  assert m * k * n <= attention._SMALL_CONTRACTION
+  rng, ps = _stack_case(L, C, m, n, k, scale, seed=6)
+  h = rng.normal(size=(2, m, n))
+  states = np_stack(ps, h)
+  got = elsa.elsa_stack(jax.tree.map(lambda a: a.astype(dtype), ps),
+                        jnp.asarray(h, dtype))
+  assert got.dtype == dtype and rel_err(got, states[-1]) < 10 * bound

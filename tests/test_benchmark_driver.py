@@ -7,6 +7,7 @@ sane (positive times, finite ratios, FLOP counts that match the formula).
 
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -172,14 +173,78 @@ def test_rerun_reuses_results_and_other_config_is_refused(quick_run):
 def test_unknown_config_argument_and_bad_fields_are_refused(tmp_path):
   with pytest.raises(ValueError, match="unknown argument 'quik'; known: 'quick'"):
     benchmark_config.get_config("quik")
-  for field, value in (("reps", 0), ("tokens", ()), ("max_case_s", float("nan")),
-                       ("sweep_eta_fractions", (0.5, 1.0)),
-                       ("sweep_lams", (-0.1,))):
+  for field, value, message in (
+      ("reps", 0, "reps"), ("tokens", (), "tokens"),
+      ("max_case_s", float("nan"), "max_case_s"),
+      ("sweep_eta_fractions", (0.5, 1.0), "sweep_eta_fractions"),
+      ("sweep_lams", (-0.1,), "sweep_lams"),
+      ("tokens", (64, 64), r"tokens\[1\] repeats"),
+      ("parts", ("sweep", "plots"), r"parts\[1\] must be one of"),
+      ("contraction_blocks", (0,), r"contraction_blocks\[0\]"),
+      ("seed", 2 ** 63, "seed"),
+      # The sweep part's items (2 x 10^7 here) must fit in memory too.
+      ("sweep_batches", (10 ** 7,), "sweep_batches.*GiB.*make them smaller")):
     config = benchmark_config.get_config("quick")
     config[field] = value
-    with pytest.raises(common.ConfigError, match=f"config\\.{field}"):
+    with pytest.raises(common.ConfigError, match=f"config[.:] ?{message}"):
       benchmark.run(config, str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run")
+
+
+def test_damaged_results_are_refused_by_name(quick_run, tmp_path):
+  _, workdir, _ = quick_run
+  copy = str(tmp_path / "copy")
+  shutil.copytree(workdir, copy)
+  with open(os.path.join(copy, "results.json"), "r+", encoding="utf-8") as f:
+    f.truncate(100)
+  with pytest.raises(common.CorruptOutput,
+                     match="results.json' is not valid JSON.*--overwrite"):
+    benchmark.run(benchmark_config.get_config("quick"), copy)
+
+
+def test_ab_parts_time_both_sides_in_the_same_rounds(tmp_path):
+  """The A/B parts (``benchmark.py:ab``) on quick sizes: the old sweep kernel
+  computes what the new one does, every K^T V layout what elsa does, and
+  every ratio is a per-round median inside its spread."""
+  config = benchmark_config.get_config("quick")
+  config.parts = ("sweep_ab", "small_contraction_ab", "contraction_ab")
+  config.reps = config.min_reps = 2
+  assert benchmark_config.get_config("ab").parts == config.parts
+  results = benchmark.run(config, str(tmp_path))
+  assert "primitive" not in results and "sweep" not in results
+  rows = results["sweep_ab"]["rows"]
+  assert [(r["dtype"], r["batch"]) for r in rows] == [
+      (d, b) for d in config.dtypes for b in config.sweep_batches]
+  for r in rows:
+    f32 = r["dtype"] == "float32"
+    assert r["max_rel_err_difference"] < (1e-5 if f32 else 1e-13)
+    assert r["max_rel_err"] < (1e-4 if f32 else 1e-12)
+    for side in ("per_item_stacks", "shared_basis"):
+      assert r[side]["item_layers_per_s"] == pytest.approx(
+          r["items"] * r["depth"] / r[side]["median_s"])
+    _per_round(r["speedup"], config)
+    _per_round(r["shared_basis_fraction_of_matmul_rate"], config)
+  rows = results["small_contraction_ab"]["rows"]
+  assert [(r["dtype"], r["batch"]) for r in rows] == [
+      (d, b) for d in config.dtypes for b in config.sweep_batches]
+  for r in rows:
+    assert r["max_difference"] < (1e-5 if r["dtype"] == "float32" else 1e-13)
+    _per_round(r["dot_speedup"], config)
+  rows = results["contraction_ab"]["rows"]
+  assert [(r["dtype"], r["n"], r["m"]) for r in rows] == [
+      (d, n, m) for d in config.dtypes for n in config.widths
+      for m in config.tokens]
+  for r in rows:
+    assert r["layouts"] == ["einsum", "dot_general", "transposed", "block16"]
+    _per_round(r["library_fraction_of_matmul_rate"], config)
+    for layout in r["layouts"]:
+      for ratio in r[layout].values():
+        _per_round(ratio, config)
+  assert benchmark.contraction_layouts(100, config) == [
+      "einsum", "dot_general", "transposed"]  # 16 does not divide 100
+  text = benchmark.format_tables(results)
+  assert "per-item parameter stacks" in text and "K^T V layouts" in text
+  assert "batched dot vs multiply-and-sum" in text
 
 
 def test_format_tables(quick_run):

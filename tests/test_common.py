@@ -165,32 +165,79 @@ def test_outputs_are_tied_to_their_config_and_content(tmp_path):
     wd.read_npz("chunk.npz")
 
 
-@pytest.mark.parametrize("name", ["results.json", "config.json"])
-def test_truncated_json_names_the_file_and_the_way_out(tmp_path, name):
-  workdir = str(tmp_path)
+@pytest.mark.parametrize("name, damage, message", [
+    ("results.json", None, "results.json' is not valid JSON.*delete .*"
+     "results.json.*--overwrite"),
+    ("config.json", None, "config.json' is damaged.*nothing says which "
+     "config.*--overwrite"),
+    ("config.json", "[1, 2]", "config.json' is damaged"),
+    (common.MANIFEST, None, "outputs.json', the list of what the driver "
+     "wrote.*damaged.*--overwrite"),
+    (common.MANIFEST, '["results.json", "../elsewhere"]', "is damaged"),
+])
+def test_damaged_json_names_the_file_and_the_way_out(tmp_path, name, damage,
+                                                     message):
+  """Truncated or wrong-shaped: refused by name; --overwrite clears it and
+  nothing outside the workdir (a manifest entry '../elsewhere') is touched."""
+  workdir = str(tmp_path / "run")
+  elsewhere = tmp_path / "elsewhere"
+  _write(str(elsewhere / "precious"))
   with common.claim_workdir(workdir, _config()) as wd:
     wd.write_json("results.json", {"a": 1})
   path = os.path.join(workdir, name)
-  with open(path, "r+", encoding="utf-8") as f:
-    f.truncate(5)
-  with pytest.raises(common.CorruptOutput,
-                     match=f"{name}' is not valid JSON.*--overwrite"):
+  if damage is None:
+    with open(path, "r+", encoding="utf-8") as f:
+      f.truncate(5)
+  else:
+    _write(path, damage)
+  with pytest.raises(common.CorruptOutput, match=message):
     with common.claim_workdir(workdir, _config()) as wd:
       wd.read_json("results.json")
   with common.claim_workdir(workdir, _config(), overwrite=True) as wd:
     assert wd.read_json("results.json") is None
+    wd.write_json("results.json", {"a": 2})
+  with common.claim_workdir(workdir, _config()) as wd:
+    assert wd.read_json("results.json") == {"a": 2}
+  assert os.path.exists(elsewhere / "precious")
+  with common.claim_workdir(workdir, _config()) as wd:
+    with pytest.raises(ValueError, match="not a path inside the workdir"):
+      wd.write_json("../elsewhere/x.json", {})
 
 
 def test_claim_removes_leftover_temporary_files(tmp_path):
+  """Only in the folders drivers write: the workdir, figures/ and the
+  folders of the manifest's names."""
   workdir = str(tmp_path)
-  leftovers = [".tmp-k2j4x9a_results.json", "figures/.tmp-0abc9xyzheat.png"]
-  for name in leftovers + [".tmp-notes.txt"]:
+  with common.claim_workdir(workdir, _config()) as wd:
+    wd.write_json("partials/a.json", {})
+  leftovers = [".tmp-k2j4x9a_results.json", "figures/.tmp-0abc9xyzheat.png",
+               "partials/.tmp-abcdefghb.json"]
+  # Not ours: no mkstemp name, or in a folder the driver never wrote to.
+  kept = [".tmp-notes.txt", "mine/.tmp-0abc9xyzheat.png"]
+  for name in leftovers + kept:
     _write(os.path.join(workdir, name))
   with common.claim_workdir(workdir, _config()):
     pass
   for name in leftovers:
     assert not os.path.exists(os.path.join(workdir, name))
-  assert os.path.exists(os.path.join(workdir, ".tmp-notes.txt"))  # not ours
+  for name in kept:
+    assert os.path.exists(os.path.join(workdir, name))
+
+
+def test_numbers_are_compared_and_hashed_by_value(tmp_path):
+  """``lams=(0, 0.1)`` and ``(0.0, 0.1)`` are one config: a run of one
+  resumes the other's files (they were refused as "another config")."""
+  as_int, as_float = _config(lams=(0, 0.1)), _config(lams=(0.0, 0.1))
+  assert common.config_hash(as_int) == common.config_hash(as_float)
+  assert common.config_hash(_config(flag=True)) != common.config_hash(
+      _config(flag=1))
+  assert common.config_hash(as_int) != common.config_hash(_config(lams=(0,
+                                                                       0.2)))
+  with common.claim_workdir(str(tmp_path), as_int) as wd:
+    wd.write_npz("chunk.npz", {"a": np.arange(3.0)})
+  with common.claim_workdir(str(tmp_path), as_float) as wd:
+    np.testing.assert_array_equal(wd.read_npz("chunk.npz")["a"],
+                                  np.arange(3.0))
 
 
 def test_a_nan_in_a_config_is_the_same_config_on_rerun(tmp_path):
@@ -208,7 +255,7 @@ def test_a_nan_in_a_config_is_the_same_config_on_rerun(tmp_path):
 
 def test_config_checks_name_the_field_and_the_range():
   config = _config(steps=0, tol=float("nan"), lams=(), etas=(0.1, -1.0),
-                   flag=True, mode="x")
+                   flag=True, mode="x", grid=(0.1, 0.2, 0.1), big=2 ** 63)
   cases = [
       (lambda: common.check_int(config, "steps"),
        r"^config\.steps must be an int >= 1, got 0\.$"),
@@ -224,6 +271,12 @@ def test_config_checks_name_the_field_and_the_range():
        r"config\.mode must be one of \['a', 'b'\], got 'x'"),
       (lambda: common.check_fits(1e18, fields="d and n_train"),
        r"config: d and n_train need about .* GiB"),
+      (lambda: common.check_items(config, "grid", low=0),
+       r"config\.grid\[2\] repeats config\.grid\[0\] \(0\.1\); list each "
+       "value once"),
+      (lambda: common.check_seed(config, "big"),
+       r"config\.big must be an int in \[0, 9223372036854775807\], got "
+       r"9223372036854775808\."),
   ]
   for check, message in cases:
     with pytest.raises(common.ConfigError, match=message):

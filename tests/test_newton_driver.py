@@ -110,10 +110,25 @@ def test_driver_writes_results_figure_and_resumes(tmp_path, monkeypatch):
     seen = _spy(patch)
     assert newton.run(config, workdir) == results
   assert not seen["kappas"]
+  # Altered numbers in a saved kappa are refused by name on resume.
+  os.remove(os.path.join(workdir, "results.json"))
+  path = os.path.join(workdir, "partial_kappa0.json")
+  altered = common.read_json(path)  # with its _check
+  altered["gd_plain"][0] += 1
+  common.write_json(path, altered)
+  with pytest.raises(common.CorruptOutput,
+                     match="partial_kappa0.json' fails its checksum.*"
+                     "--overwrite"):
+    newton.run(config, workdir)
   config.tol = 1e-4
   with pytest.raises(ValueError, match="different config"):
     newton.run(config, workdir)
-  assert newton.run(config, workdir, overwrite=True)["config"]["tol"] == 1e-4
+  # --overwrite clears it: every kappa computed again.
+  with monkeypatch.context() as patch:
+    seen = _spy(patch)
+    again = newton.run(config, workdir, overwrite=True)
+  assert again["config"]["tol"] == 1e-4
+  assert seen["kappas"] == list(config.kappas)
 
 
 def test_tiny_config_rejects_unknown_variant():
@@ -128,7 +143,11 @@ def test_tiny_config_rejects_unknown_variant():
     ("tol", float("nan"), r"a finite number in \(0, 1\)"),
     ("noise", float("nan"), "a finite number >= 0"),
     ("lam", -1e-3, r"in \[0, 0.001\)"),
-    ("n_train", 2, "an int >= 3"),
+    ("n_train", 2, r"an int >= config\.d \(3\)"),
+    ("kappas", (10.0, 1e3, 10.0), r"\[2\] repeats config\.kappas\[0\]"),
+    ("seed", -1, r"an int in \[0, 9223372036854775807\]"),
+    ("tasks_per_kappa", 0, "an int >= 1"),
+    ("d", 40, r"\(40\), got 6"),  # config.n_train must be >= config.d
 ])
 def test_bad_config_is_refused_before_the_workdir_is_touched(
     tmp_path, field, value, allowed):

@@ -294,3 +294,44 @@ def test_solve_refuses_negative_lam_and_computes_the_formula_when_traced():
     want = np.linalg.solve(xb.T @ xb / 4 - 10 * np.eye(3), xb.T @ yb / 4)
     assert rel_err(w[b], want) < 1e-12
     assert np.linalg.norm(want) > 0
+
+
+@pytest.mark.parametrize("n_train, d", [(9, 4), (3, 5), (20, 1)])
+def test_safe_alpha_is_one_over_the_frobenius_norm_and_inside_the_limit(
+    n_train, d):
+  """Against numpy's ||X^T X / N + lam I||_F, per task and per-task lam; and
+  alpha * lambda_max(A) in [d^-1/2, 1], so GD with it converges."""
+  t = ridge.sample_tasks(jax.random.key(n_train), batch=3, n_train=n_train,
+                         d=d, dtype=jnp.float64)
+  for lam in (0.0, 0.3, jnp.asarray([0.0, 0.1, 2.0])):
+    alpha = ridge.safe_alpha(t.x, lam=lam)
+    assert alpha.shape == (3,) and alpha.dtype == jnp.float64
+    lams = np.broadcast_to(np.asarray(lam), (3,))
+    for b in range(3):
+      x = np.asarray(t.x[b])
+      a = x.T @ x / n_train + lams[b] * np.eye(d)
+      assert rel_err(alpha[b], 1 / np.linalg.norm(a, "fro")) < RTOL
+      top = np.linalg.eigvalsh(a)[-1]
+      assert d ** -0.5 * (1 - 1e-12) <= alpha[b] * top <= 1 + 1e-12
+    assert np.all(alpha < ridge.stability_limit(t.x, lam=lam))
+  # Traced lam (one compile), float32 in float32.
+  got = jax.jit(lambda lam: ridge.safe_alpha(t.x, lam=lam))(0.3)
+  assert rel_err(got, ridge.safe_alpha(t.x, lam=0.3)) < RTOL
+  x32 = t.x.astype(jnp.float32)
+  assert ridge.safe_alpha(x32, lam=0.3).dtype == jnp.float32
+
+
+def test_safe_alpha_refuses_what_the_other_references_refuse():
+  x, _ = _xy()
+  for bad, error, message in (
+      (lambda: ridge.safe_alpha(x, lam=-0.1), ValueError,
+       "safe_alpha: lam must be >= 0, got -0.1"),
+      (lambda: ridge.safe_alpha(x[:, :0], lam=0.1), ValueError, "N >= 1"),
+      (lambda: ridge.safe_alpha(jnp.ones(3), lam=0.1), ValueError,
+       r"\[\.\.\., N, d\]"),
+      (lambda: ridge.safe_alpha(x, lam=jnp.full(5, 0.1)), ValueError,
+       r"safe_alpha: lam must be a scalar or broadcast to the batch shape"),
+      (lambda: ridge.safe_alpha(jnp.ones((4, 3), jnp.int32), lam=0.1),
+       TypeError, "floating")):
+    with pytest.raises(error, match=message):
+      bad()

@@ -365,6 +365,10 @@ def test_other_processes_take_process_0s_word_on_what_is_done(tmp_path,
     ("etas", (0.5, -0.5), r"\[1\] must be a finite number > 0"),
     ("etas", (float("inf"),), "a finite number > 0"),
     ("dtype", "float16", "one of"),
+    ("forms", ("designed", "designed"), r"\[1\] repeats config\.forms\[0\]"),
+    ("lams", (0.1, 0.0, 0.1), r"\[2\] repeats config\.lams\[0\]"),
+    ("seed", -1, r"an int in \[0, 9223372036854775807\]"),
+    ("seed", 2 ** 63, r"an int in \[0, 9223372036854775807\]"),
 ])
 def test_bad_config_is_refused_before_the_workdir_is_touched(
     tmp_path, field, value, allowed):
@@ -381,25 +385,38 @@ def test_sizes_that_cannot_fit_are_refused_in_one_line(tmp_path):
   assert not os.path.exists(tmp_path / "run")
 
 
+def _list_fields(config):
+  return sorted(k for k, v in config.items() if isinstance(v, tuple))
+
+
 def test_config_variants_and_list_overrides_from_the_command_line():
-  """``sweep.py:tiny`` is get_config("tiny"); tuples are overridable; unknown
+  """``sweep.py:tiny`` is get_config("tiny"); every tuple field of every
+  config is overridable (strings, floats, ints; newton's kappas); unknown
   variants are refused naming the known ones."""
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  for driver, variant, field, value in (
-      ("sweep", "tiny", "lams", (0.0, 0.5)),
-      ("newton", "tiny", "kappas", (10.0, 100.0)),
-      ("benchmark", "quick", "tokens", (64, 128))):
-    argv = ["prog", f"--config={common.config_path(driver)}:{variant}",
-            f"--config.{field}={value}"]
-    values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", flag_values=values,
-                                    sys_argv=argv)
-    values(argv)
+  checked = set()
+  for driver, variant in (("sweep", None), ("sweep", "tiny"),
+                          ("newton", None), ("newton", "tiny"),
+                          ("benchmark", None), ("benchmark", "quick"),
+                          ("benchmark", "ab")):
     module = importlib.import_module(f"experiments.configs.{driver}")
-    expected = module.get_config(variant)
-    expected[field] = value
-    assert common.config_dict(values.config) == common.config_dict(expected)
-    with pytest.raises(ValueError, match=f"unknown argument 'quik'.*"
-                       f"'{variant}'"):
+    for field in _list_fields(module.get_config(variant)):
+      value = module.get_config(variant)[field]
+      value = value[::-1] if len(value) > 1 else value + value[:0]
+      arg = common.config_path(driver) + (f":{variant}" if variant else "")
+      argv = ["prog", f"--config={arg}", f"--config.{field}={value!r}"]
+      values = flags.FlagValues()
+      config_flags.DEFINE_config_file("config", flag_values=values,
+                                      sys_argv=argv)
+      values(argv)
+      expected = module.get_config(variant)
+      expected[field] = value
+      assert values.config[field] == value, (driver, field)
+      assert common.config_dict(values.config) == common.config_dict(expected)
+      checked.add((driver, field))
+    with pytest.raises(ValueError, match=f"{driver} config: unknown "
+                       "argument 'quik'; known: '"):
       module.get_config("quik")
+  assert {("newton", "kappas"), ("sweep", "forms"), ("sweep", "lams"),
+          ("benchmark", "dtypes"), ("benchmark", "parts")} <= checked
