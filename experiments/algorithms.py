@@ -13,8 +13,7 @@ Beside it:
 
 * the reference interpreter's count (:func:`elsa.programs.run`, the same
   program on plain arrays), run to at most ``config.interpreter_loops`` loops
-  (``run`` restacks its history, which costs more than linear time in the
-  loop count: BUILD_NOTES.md, "The algorithm library");
+  (by default the layer budget, so every count the stack reaches is checked);
 * the compiled size ``m, n, C`` and set-up layers, and the time per layer.
 
 Step sizes are the best fixed ones for each task's eigenvalue bounds

@@ -49,8 +49,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Loops of Newton-Schulz and the third-order iteration.
   config.depth = 40
   # Loops the reference interpreter (elsa.programs.run) may run to confirm a
-  # count; past it the interpreter's count is null (not checked).
-  config.interpreter_loops = 100
+  # count; past it the interpreter's count is null (not checked). At the
+  # layer budget every count the stack reaches is checked.
+  config.interpreter_loops = 5000
   if arg == "tiny":
     # A scheduled first-order method (past its budget at kappa 100) and a
     # second-order one.
