@@ -41,7 +41,7 @@ import numpy as np
 
 import elsa
 from elsa import ridge
-from elsa.forms.newton import Newton, safe_alpha
+from elsa.forms.newton import Newton
 from experiments import common
 from experiments import plotting
 
@@ -136,7 +136,7 @@ def _kappa_result(config, kappa: float, rng: np.random.Generator, decoder
                                   lam=config.lam))
   coeffs = np.einsum("bdi,bd->bi", evecs, w_star)
   mu_min, mu_max = evals[:, 0], evals[:, -1]
-  alphas = {"safe": np.asarray(safe_alpha(jnp.asarray(x), lam=config.lam)),
+  alphas = {"safe": np.asarray(ridge.safe_alpha(jnp.asarray(x), lam=config.lam)),
             "best": 2 / (mu_min + mu_max)}
   form = Newton(n_train=config.n_train, d=config.d, n_query=config.n_query)
   setup = form.setup_layers

@@ -11,7 +11,7 @@ import pytest
 import elsa
 from elsa import constructions, ridge
 from elsa.forms import Newton
-from elsa.forms.newton import safe_alpha
+from elsa.ridge import safe_alpha
 from helpers import rel_norm as rel
 
 # float32 floor after convergence, against the float64 ridge solution: the

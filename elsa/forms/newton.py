@@ -50,40 +50,8 @@ import numpy as np
 
 from elsa import constructions
 from elsa.attention import Array, ElsaParams
+from elsa.ridge import safe_alpha  # 1/||A||_F; Newton.safe_alpha
 from elsa.forms._token_form import TokenForm
-
-
-def safe_alpha(x: Array, *, lam) -> Array:
-  r"""A convergent Newton–Schulz (and GD) step :math:`\alpha = 1 / \|A\|_F`, ``[...]``.
-
-  Convergence needs :math:`0 < \alpha < 2 / \lambda_{max}(A)`. The Frobenius
-  norm bounds the top eigenvalue from both sides,
-  :math:`\lambda_{max} \le \|A\|_F \le \sqrt{d}\, \lambda_{max}`, so
-  :math:`\alpha \lambda_{max} \in [d^{-1/2}, 1]`: always safe, and at most
-  :math:`\tfrac12 \log_2 d` layers slower than :math:`\alpha = 1/\lambda_{max}`.
-  Computed without an eigendecomposition from :math:`G = X^\top X / N`:
-  :math:`\|A\|_F^2 = \|G\|_F^2 + 2\lambda\,\mathrm{tr}\,G + d\lambda^2`.
-
-  When the extreme eigenvalues are known, :math:`\alpha = 2/(\mu_{min} +
-  \mu_{max})` of ``A`` is the fastest constant choice (about one layer fewer
-  than ``1/mu_max``).
-
-  Args:
-    x: examples ``[..., N, d]``.
-    lam: ridge strength, a scalar (may be traced).
-
-  Returns:
-    ``[...]``, in the dtype of ``x``.
-  """
-  if jnp.ndim(x) < 2:
-    raise ValueError(f"safe_alpha: x must have shape [..., N, d], got "
-                     f"{jnp.shape(x)}.")
-  n_train, d = jnp.shape(x)[-2:]
-  gram = jnp.swapaxes(x, -1, -2) @ x / n_train
-  lam = jnp.asarray(lam, x.dtype)
-  trace = jnp.trace(gram, axis1=-2, axis2=-1)
-  frob2 = jnp.sum(gram**2, axis=(-2, -1)) + 2 * lam * trace + d * lam**2
-  return 1 / jnp.sqrt(frob2)
 
 
 class Newton(TokenForm):
@@ -318,7 +286,7 @@ class Newton(TokenForm):
     Args:
       lam: ridge strength, a scalar; may be a traced array.
       alpha: ``M_0 = alpha I``, a scalar; may be traced. It converges iff
-        ``0 < alpha < 2 / lambda_max(A)``: :func:`safe_alpha` gives
+        ``0 < alpha < 2 / lambda_max(A)``: :func:`elsa.ridge.safe_alpha` gives
         ``1 / ||A||_F``; ``2 / (mu_min + mu_max)`` is fastest when known.
       depth: Newton–Schulz steps ``T >= 0`` (static).
       dtype: dtype of every leaf; it must equal the state's dtype. Default:
