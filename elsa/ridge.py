@@ -1,6 +1,6 @@
 r"""Ridge regression and its references: loss, batch gradient descent, closed form, tasks.
 
-Objective, for examples ``x: [N, d]`` and targets ``y: [N]`` (or ``[N, k]``):
+Objective, for examples ``x: [N, d]`` and targets ``y: [N]`` (or ``[N, n_out]``):
 
 .. math::
   L(w) = \frac{1}{2N} \sum_i \|y_i - x_i^\top w\|^2 + \frac{\lambda}{2}\|w\|^2,
@@ -48,19 +48,20 @@ def _check_x(fn: str, x: Array) -> None:
 
 
 def _check_xy(fn: str, x: Array, y: Array) -> None:
-  """Shapes and dtypes of ``x [..., N, d]`` and ``y [..., N(, k)]``."""
+  """Shapes and dtypes of ``x [..., N, d]`` and ``y [..., N(, n_out)]``."""
   _check_x(fn, x)
   _validate.same_dtype(fn, "y", y, "x", x)
   n_x = jnp.shape(x)[-2]
   lead = jnp.shape(x)[:-2]
   if jnp.shape(y)[:len(lead) + 1] != (*lead, n_x) or jnp.ndim(y) not in (
       jnp.ndim(x) - 1, jnp.ndim(x)):
-    raise ValueError(f"{fn}: y must have shape [..., N] or [..., N, k] matching "
-                     f"x of shape {jnp.shape(x)} (N={n_x}), got {jnp.shape(y)}.")
+    raise ValueError(f"{fn}: y must have shape [..., N] or [..., N, n_out] "
+                     f"matching x of shape {jnp.shape(x)} (N={n_x}), got "
+                     f"{jnp.shape(y)}.")
 
 
 def _as_matrix(x: Array, y: Array) -> tuple[Array, bool]:
-  """``y`` as ``[..., N, k]``, and whether it came as ``[..., N]``."""
+  """``y`` as ``[..., N, n_out]``, and whether it came as ``[..., N]``."""
   vector = jnp.ndim(y) == jnp.ndim(x) - 1
   return (y[..., None] if vector else y), vector
 
@@ -80,7 +81,7 @@ def _check_lam(fn: str, lam, x: Array) -> None:
 
 
 def normal_equations(x: Array, y: Array, *, lam) -> tuple[Array, Array]:
-  """``A = X^T X / N + lam I`` ``[..., d, d]`` and ``b = X^T y / N`` ``[..., d(, k)]``."""
+  """``A = X^T X / N + lam I`` ``[..., d, d]`` and ``b = X^T y / N`` ``[..., d(, n_out)]``."""
   _check_xy("normal_equations", x, y)
   _check_lam("normal_equations", lam, x)
   return _normal_equations(x, y, lam=lam)
@@ -97,7 +98,7 @@ def _normal_equations(x: Array, y: Array, *, lam) -> tuple[Array, Array]:
 
 
 def _check_w(fn: str, w: Array, x: Array, y: Array) -> None:
-  """``w`` must be ``[..., d]`` (vector ``y``) or ``[..., d, k]``, batch axes
+  """``w`` must be ``[..., d]`` (vector ``y``) or ``[..., d, n_out]``, batch axes
   broadcasting with those of ``x``, in the dtype of ``x``."""
   d = jnp.shape(x)[-1]
   tail = (d,) if jnp.ndim(y) == jnp.ndim(x) - 1 else (d, jnp.shape(y)[-1])
@@ -119,7 +120,7 @@ def _check_w(fn: str, w: Array, x: Array, y: Array) -> None:
 
 
 def loss(w: Array, x: Array, y: Array, *, lam) -> Array:
-  """The ridge objective ``L(w)`` for ``w: [..., d(, k)]``; returns ``[...]``."""
+  """The ridge objective ``L(w)`` for ``w: [..., d(, n_out)]``; returns ``[...]``."""
   _check_xy("loss", x, y)
   _check_lam("loss", lam, x)
   _check_w("loss", w, x, y)
@@ -137,15 +138,15 @@ def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
 
   Args:
     x: ``[..., N, d]``, floating, ``N >= 1``.
-    y: ``[..., N]`` or ``[..., N, k]``, in the dtype of ``x``.
+    y: ``[..., N]`` or ``[..., N, n_out]``, in the dtype of ``x``.
     lam: ridge strength ``>= 0``, a scalar or one per task (a shape that
       broadcasts to ``[...]``); may be traced.
     eta: step size ``> 0``, a scalar or a schedule ``[steps]``; may be traced.
     steps: number of steps (static), an int or numpy integer ``>= 0``.
-    w0: start ``[..., d(, k)]`` in the dtype of ``x``; zero by default.
+    w0: start ``[..., d(, n_out)]`` in the dtype of ``x``; zero by default.
 
   Returns:
-    ``[steps + 1, ..., d(, k)]``: ``w_0, w_1, ..., w_steps``.
+    ``[steps + 1, ..., d(, n_out)]``: ``w_0, w_1, ..., w_steps``.
 
   Raises:
     ValueError: a shape does not match, ``N = 0``, ``steps < 0``, or a
@@ -197,7 +198,7 @@ def _gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None
 
 
 def solve(x: Array, y: Array, *, lam) -> Array:
-  """The minimiser of :func:`loss`, ``(X^T X/N + lam I)^+ X^T y / N``, ``[..., d(, k)]``.
+  """The minimiser of :func:`loss`, ``(X^T X/N + lam I)^+ X^T y / N``, ``[..., d(, n_out)]``.
 
   Solved by an eigendecomposition of the symmetric ``A``; directions with a
   numerically zero eigenvalue (``lam = 0`` and ``N < d``) are dropped, which
@@ -275,8 +276,8 @@ def safe_alpha(x: Array, *, lam) -> Array:
 
 
 class Task(NamedTuple):
-  """A batch of ridge tasks. ``x: [B, N, d]``, ``y: [B, N(, k)]``, ``x_query:
-  [B, Q, d]``, ``y_query: [B, Q(, k)]``, ``w_true: [B, d(, k)]``."""
+  """A batch of ridge tasks. ``x: [B, N, d]``, ``y: [B, N(, n_out)]``, ``x_query:
+  [B, Q, d]``, ``y_query: [B, Q(, n_out)]``, ``w_true: [B, d(, n_out)]``."""
 
   x: Array
   y: Array
@@ -296,7 +297,7 @@ def sample_tasks(key: Array, *, batch: int, n_train: int, d: int,
   Args:
     key: ``jax.random`` key; the same key gives the same tasks.
     batch, n_train, d, n_query: task count, examples, input dimension, queries.
-    n_out: ``None`` for scalar targets ``[..., N]``, or ``k`` for ``[..., N, k]``.
+    n_out: ``None`` for scalar targets ``[..., N]``, or ``n_out`` for ``[..., N, n_out]``.
     noise: standard deviation of the label noise.
     x_scale: inputs are ``x_scale * L z`` with ``z`` standard normal.
     w_scale: ``w_true`` is ``w_scale`` times standard normal.
@@ -310,12 +311,12 @@ def sample_tasks(key: Array, *, batch: int, n_train: int, d: int,
           else jnp.linalg.cholesky(jnp.asarray(x_cov, dtype)))
   # Exact products (as in the references): x and the noise-free labels are
   # then the same on every backend.
-  draw_x = lambda k, rows: _mm(
-      x_scale * jax.random.normal(k, (batch, rows, d), dtype), chol.T)
+  draw_x = lambda key, rows: _mm(
+      x_scale * jax.random.normal(key, (batch, rows, d), dtype), chol.T)
   x, x_query = draw_x(kx, n_train), draw_x(kq, n_query)
   w_true = w_scale * jax.random.normal(kw, (batch, d, *out), dtype)
-  label = lambda xs, k: jnp.einsum("bnd,bd...->bn...", xs, w_true,
+  label = lambda xs, key: jnp.einsum("bnd,bd...->bn...", xs, w_true,
                                    precision=_EXACT) + (
-      noise * jax.random.normal(k, (batch, xs.shape[1], *out), dtype))
+      noise * jax.random.normal(key, (batch, xs.shape[1], *out), dtype))
   return Task(x=x, y=label(x, kn), x_query=x_query, y_query=label(x_query, knq),
               w_true=w_true)
