@@ -8,13 +8,9 @@ import numpy as np
 import pytest
 
 from elsa import ridge
+from helpers import rel_err
 
 RTOL = 1e-12
-
-
-def rel_err(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300)
 
 
 def np_gd(x, y, lam, etas, w0=None):
