@@ -23,6 +23,7 @@ import pytest
 import elsa
 from elsa import algorithms as alg
 from elsa import programs, ridge
+from helpers import rel_norm as rel
 
 F64_RTOL = 1e-10
 # The float32 stack (float32 data) against the float64 textbook iterate of
@@ -31,13 +32,6 @@ F64_RTOL = 1e-10
 # algorithm library"); the bound leaves a factor 5.
 F32_RTOL = 2e-6
 LAM = 0.3
-
-
-def rel(got, want):
-  """``|got - want| / |want|`` (Frobenius); 0 when both are exactly zero."""
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  err = np.linalg.norm(got - want)
-  return err / np.linalg.norm(want) if err else 0.0
 
 
 # --- the textbook iterations, in plain numpy (float64) ------------------------
