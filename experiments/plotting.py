@@ -203,13 +203,14 @@ def layer_predictions(results: dict) -> Figure:
       style = _TRAINED_STYLE.get(name, "-")
       top.plot(t, _floats(entry["test_loss"]), "o" + style, color=f"C{i}",
                label=name)
-      bottom.plot(t, _floats(entry["mse_to_gd_step"]), "o" + style,
+      # From layer 1: at layer 0 both predict 0 (distance 0 to GD step 0).
+      bottom.plot(t[1:], _floats(entry["mse_to_gd_step"][1:]), "o" + style,
                   color=f"C{i}", label=f"{name} to GD step t")
-      bottom.plot(t, _floats(entry["mse_to_bayes"]), "x:", color=f"C{i}",
-                  label=f"{name} to Bayes")
+      bottom.plot(t[1:], _floats(entry["mse_to_bayes"][1:]), "x:",
+                  color=f"C{i}", label=f"{name} to Bayes")
     top.set(yscale="log", xlabel="layer t", ylabel="test MSE of layer t",
-            title=f"L={depth}: prediction after each layer")
-    bottom.set(yscale="log", xlabel="layer t",
+            title=f"L={depth}: prediction after each layer", xticks=t)
+    bottom.set(yscale="log", xlabel="layer t", xticks=t,
                ylabel="MSE between predictions")
   axes[0, 0].legend(fontsize=6)
   axes[1, 0].legend(fontsize=6)
