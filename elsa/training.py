@@ -21,7 +21,7 @@ mean, GD at a step size, ridge, least squares, the constructed ELSA-GD stack)
 answer the same question, predictions ``[B, Q]`` for a task batch.
 
 A grid of training settings (learning rate x initial scale) trains as one
-vmapped program (:func:`grid_init_state`, :func:`train_grid_steps`): the
+compiled program (:func:`grid_init_state`, :func:`train_grid_steps`): the
 learning rate is a traced hyper-parameter of the optimiser state
 (``optax.inject_hyperparams``), so every grid point sees the same batches and
 the grid compiles once.
@@ -253,10 +253,12 @@ def optimizer(*, learning_rate: float, steps: int, warmup_steps: int = 0,
   :func:`grid_init_state` can give each grid point its own without a new
   compilation; ``clip_norm=None`` clips nothing.
   """
-  return _injected_optimizer(learning_rate=learning_rate, steps=steps,
-                             warmup_steps=warmup_steps,
-                             end_fraction=end_fraction, clip_norm=clip_norm,
-                             weight_decay=weight_decay)
+  injected = optax.inject_hyperparams(
+      _adam_chain, static_args=("steps", "warmup_steps", "end_fraction",
+                                "clip_norm", "weight_decay"))
+  return injected(learning_rate=learning_rate, steps=steps,
+                  warmup_steps=warmup_steps, end_fraction=end_fraction,
+                  clip_norm=clip_norm, weight_decay=weight_decay)
 
 
 def _adam_chain(learning_rate, steps, warmup_steps, end_fraction, clip_norm,
@@ -271,11 +273,6 @@ def _adam_chain(learning_rate, steps, warmup_steps, end_fraction, clip_norm,
   parts += [optax.scale_by_adam(), optax.add_decayed_weights(weight_decay),
             optax.scale_by_schedule(shape), optax.scale(-learning_rate)]
   return optax.chain(*parts)
-
-
-_injected_optimizer = optax.inject_hyperparams(
-    _adam_chain, static_args=("steps", "warmup_steps", "end_fraction",
-                              "clip_norm", "weight_decay"))
 
 
 class TrainState(NamedTuple):

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import elsa
@@ -303,3 +304,22 @@ def test_frozen_and_masked_blocks_stay_so_in_training():
   np.testing.assert_array_equal(np.asarray(after.b3), np.asarray(params.b3))
   assert not np.asarray(after.w1[0]).any()
   assert not np.allclose(np.asarray(after.w1[1]), np.asarray(params.w1[1]))
+
+
+def test_optimizer_is_adamw_with_the_warmup_cosine_schedule():
+  # The traced-learning-rate chain against optax's own adamw (clip off).
+  params = {"w": jnp.ones((3, 2), jnp.float64)}
+  grads = [{"w": jax.random.normal(jax.random.key(30 + i), (3, 2),
+                                   jnp.float64)} for i in range(6)]
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=0.01, warmup_steps=2, decay_steps=6,
+      end_value=0.01 * 0.1)
+  reference = optax.adamw(schedule, weight_decay=0.1)
+  ours = training.optimizer(learning_rate=0.01, steps=6, warmup_steps=2,
+                            end_fraction=0.1, clip_norm=None, weight_decay=0.1)
+  state_ref, state = reference.init(params), ours.init(params)
+  for g in grads:
+    want, state_ref = reference.update(g, state_ref, params)
+    got, state = ours.update(g, state, params)
+    np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]),
+                               rtol=1e-6, atol=1e-12)
