@@ -323,3 +323,19 @@ def test_optimizer_is_adamw_with_the_warmup_cosine_schedule():
     got, state = ours.update(g, state, params)
     np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]),
                                rtol=1e-6, atol=1e-12)
+
+
+def test_query_sensitivity_matches_reverse_mode_for_interacting_queries():
+  # A random ELSA stack lets the two queries interact: the sensitivity is
+  # d (sum_q' pred_q') / d x_q, here against jax.grad of that sum.
+  model = training.init_model(jax.random.key(21), SPEC, depth=2, scale=0.3,
+                              dtype=jnp.float64)
+  task = training.sample_tasks(jax.random.key(22), SPEC, batch=3,
+                               dtype=jnp.float64)
+  predict = lambda t: training.model_predict(model, SPEC.form(), t)
+  want = jax.grad(lambda xq: jnp.sum(predict(task._replace(x_query=xq))))(
+      task.x_query)
+  got = training.query_sensitivity(predict, task)
+  assert got.shape == (3, SPEC.n_query, SPEC.d)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10,
+                             atol=1e-12)
