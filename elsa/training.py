@@ -469,12 +469,6 @@ def query_sensitivity(predict: Callable[[ridge.Task], Array], task: ridge.Task
   ``d prediction_q / d x_q``; a trained model may let queries interact, and
   then this sums the column of the Jacobian.
   """
-  # Forward mode, Q d directions per task (vmapped over tasks): reverse mode
-  # through elsa_layer's fused small-item path is slow on XLA CPU (see
-  # elsa.nn.residual_stack), its forward is not.
-  def one(single: ridge.Task) -> Array:
-    batch_of_one = jax.tree.map(lambda a: a[None], single)
-    summed = lambda x_query: jnp.sum(predict(batch_of_one._replace(
-        x_query=x_query[None])))
-    return jax.jacfwd(summed)(single.x_query)
-  return jax.vmap(one)(task)
+  def summed(x_query):
+    return jnp.sum(predict(task._replace(x_query=x_query)))
+  return jax.grad(summed)(task.x_query)
