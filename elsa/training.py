@@ -16,9 +16,21 @@ resumed run sees exactly the batches an uninterrupted one would.
 
 Everything here is pure and jit-able: a model enters as the split of an
 :class:`elsa.nn.ElsaStack` (``graphdef``, the trainable ``nnx.Param`` state,
-the rest), see :func:`split`. The baselines (GD at a step size, ridge, least
-squares, the constructed ELSA-GD stack) answer the same question, predictions
-``[B, Q]`` for a task batch.
+the rest), see :func:`split`. The baselines (the Bayes-optimal posterior
+mean, GD at a step size, ridge, least squares, the constructed ELSA-GD stack)
+answer the same question, predictions ``[B, Q]`` for a task batch.
+
+A grid of training settings (learning rate x initial scale) trains as one
+compiled program (:func:`grid_init_state`, :func:`train_grid_steps`): the
+learning rate is a traced hyper-parameter of the optimiser state
+(``optax.inject_hyperparams``), so every grid point sees the same batches and
+the grid compiles once.
+
+What trained layers compute (von Oswald et al. 2023, section 3): the query
+prediction decoded after every layer (:func:`layer_predictions`), against GD
+step ``t`` (:func:`gd_step_predictions`), and the agreement of input
+sensitivities ``d pred / d x_q`` (:func:`query_sensitivity`,
+:func:`sensitivity_agreement`).
 """
 
 from __future__ import annotations
@@ -35,10 +47,11 @@ import optax
 from elsa import constructions, forms, nn, ridge
 from elsa.attention import Array, ElsaParams, float_dtype
 
-X_DISTRIBUTIONS = ("normal", "laplace", "exponential")
+X_DISTRIBUTIONS = ("normal", "laplace", "exponential", "uniform")
 # E[z^2] of one standardised input coordinate z (before covariance and
 # x_scale): 1 for the centred ones, mean^2 + variance = 2 for exponential.
-_X_SECOND_MOMENT = {"normal": 1.0, "laplace": 1.0, "exponential": 2.0}
+_X_SECOND_MOMENT = {"normal": 1.0, "laplace": 1.0, "exponential": 2.0,
+                    "uniform": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +65,9 @@ class TaskSpec:
     x_scale: inputs are multiplied by this (input range shift).
     w_scale: ``w_true`` standard deviation (weight scale shift).
     x_dist: ``'normal'`` (via :func:`elsa.ridge.sample_tasks`), ``'laplace'``
-      (unit variance), or ``'exponential'`` (rate 1: mean 1, variance 1, not
-      centred).
+      (unit variance), ``'exponential'`` (rate 1: mean 1, variance 1, not
+      centred) or ``'uniform'`` (unit variance, ``U(-sqrt 3, sqrt 3)``;
+      ``x_scale = 12 ** -0.5`` gives von Oswald et al.'s ``U(-1/2, 1/2)``).
     x_skew: input covariance ``diag(c_j)``, ``c_j`` proportional to
       ``(j + 1) ** -x_skew`` and normalised to trace ``d``; 0 is isotropic.
     noise_labels: if true, the CONTEXT labels are replaced by independent
@@ -114,9 +128,12 @@ def sample_tasks(key: Array, spec: TaskSpec, *, batch: int,
                             x_cov=x_cov, dtype=dtype)
   k_x, k_q, k_n, k_nq, k_y = jax.random.split(jax.random.fold_in(key, 1), 5)
   if spec.x_dist != "normal":
+    root3 = jnp.sqrt(jnp.asarray(3, dtype))
     draw = {"laplace": lambda k, s: jax.random.laplace(k, s, dtype) / jnp.sqrt(
                 jnp.asarray(2, dtype)),
-            "exponential": lambda k, s: jax.random.exponential(k, s, dtype)
+            "exponential": lambda k, s: jax.random.exponential(k, s, dtype),
+            "uniform": lambda k, s: jax.random.uniform(k, s, dtype, -root3,
+                                                       root3),
             }[spec.x_dist]
     scale = spec.x_scale * jnp.sqrt(cov)
     x = draw(k_x, (batch, spec.n_train, spec.d)) * scale
@@ -135,7 +152,7 @@ def sample_tasks(key: Array, spec: TaskSpec, *, batch: int,
 
 def init_model(key: Array, spec: TaskSpec, *, depth: int, components: int = 3,
                inner: int | None = None, use_bias: bool = True,
-               tied: bool = False, scale: float = 0.1,
+               tied: bool = False, residual: bool = False, scale: float = 0.1,
                bias_scale: float | None = None, skip_init: bool = True,
                dtype=None) -> nn.ElsaStack:
   """A stack for the natural tokens of ``spec``: leaves ``[depth, components, ...]``.
@@ -147,6 +164,9 @@ def init_model(key: Array, spec: TaskSpec, *, depth: int, components: int = 3,
     inner: inner width ``k``; default ``n`` (what the GD construction uses).
     use_bias: ELSA (true) or LSA (false).
     tied: one layer's parameters looped ``depth`` times.
+    residual: every layer adds to the state, ``h <- h + layer(h)``
+      (:func:`elsa.nn.residual_stack`; with ``use_bias=False`` the LSA of von
+      Oswald et al. 2023).
     scale, bias_scale: standard deviations of the random weights and biases.
     skip_init: start component 0 of every layer at the exact skip ``h -> h``
       (:func:`elsa.constructions.linear` with ``P = I``, needs biases and
@@ -169,7 +189,8 @@ def init_model(key: Array, spec: TaskSpec, *, depth: int, components: int = 3,
     skip = constructions.pad_inner(constructions.identity(m, n, dtype=dtype),
                                    inner)
     params = jax.tree.map(lambda p, s: p.at[:, 0].set(s), params, skip)
-  return nn.ElsaStack(params, tied=tied, depth=depth, use_bias=use_bias)
+  return nn.ElsaStack(params, tied=tied, depth=depth, use_bias=use_bias,
+                      residual=residual)
 
 
 # --- the model as a pure function ----------------------------------------------
@@ -212,20 +233,45 @@ def loss(params: nnx.State, task: ridge.Task, *, graphdef, rest: nnx.State,
   return jnp.mean(mse(model_predict(model, form, task), task))
 
 
+def grid_loss(params: nnx.State, task: ridge.Task, *, graphdef,
+              rest: nnx.State, form: forms.GDForm) -> Array:
+  """Per-task MSE ``[G, B]`` of ``G`` models, ``params`` stacked on axis 0."""
+  per_model = lambda p: mse(model_predict(merge(graphdef, p, rest), form,
+                                          task), task)
+  return jax.vmap(per_model)(params)
+
+
 def optimizer(*, learning_rate: float, steps: int, warmup_steps: int = 0,
               end_fraction: float = 0.01, clip_norm: float | None = 1.0,
               weight_decay: float = 0.0) -> optax.GradientTransformation:
   """Adam(W) with global-norm clipping and a warmup-cosine schedule.
 
   The learning rate rises linearly from 0 over ``warmup_steps`` then decays
-  by a cosine to ``end_fraction * learning_rate`` at ``steps``.
+  by a cosine to ``end_fraction * learning_rate`` at ``steps``
+  (``end_fraction=1, warmup_steps=0``: constant). The peak rate is a traced
+  hyper-parameter in the state (``optax.inject_hyperparams``), so
+  :func:`grid_init_state` can give each grid point its own without a new
+  compilation; ``clip_norm=None`` clips nothing.
   """
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
-      decay_steps=max(steps, warmup_steps + 1),
-      end_value=end_fraction * learning_rate)
+  injected = optax.inject_hyperparams(
+      _adam_chain, static_args=("steps", "warmup_steps", "end_fraction",
+                                "clip_norm", "weight_decay"))
+  return injected(learning_rate=learning_rate, steps=steps,
+                  warmup_steps=warmup_steps, end_fraction=end_fraction,
+                  clip_norm=clip_norm, weight_decay=weight_decay)
+
+
+def _adam_chain(learning_rate, steps, warmup_steps, end_fraction, clip_norm,
+                weight_decay):
+  # optax.adamw with the schedule learning_rate * shape(step), written so that
+  # learning_rate may be traced (warmup_cosine_decay_schedule branches on its
+  # peak value).
+  shape = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=1.0, warmup_steps=warmup_steps,
+      decay_steps=max(steps, warmup_steps + 1), end_value=end_fraction)
   parts = [] if clip_norm is None else [optax.clip_by_global_norm(clip_norm)]
-  parts.append(optax.adamw(schedule, weight_decay=weight_decay))
+  parts += [optax.scale_by_adam(), optax.add_decayed_weights(weight_decay),
+            optax.scale_by_schedule(shape), optax.scale(-learning_rate)]
   return optax.chain(*parts)
 
 
@@ -240,6 +286,30 @@ class TrainState(NamedTuple):
 def init_state(params: nnx.State, tx: optax.GradientTransformation
                ) -> TrainState:
   return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+
+
+def grid_init_state(params: nnx.State, tx: optax.GradientTransformation, *,
+                    learning_rates: Array) -> TrainState:
+  """States of ``G`` grid points: ``params`` stacked on axis 0, rates ``[G]``.
+
+  ``tx`` is an :func:`optimizer`; each grid point's peak learning rate
+  replaces the one ``tx`` was built with (its schedule keeps its shape).
+  """
+  learning_rates = jnp.asarray(learning_rates, jnp.float32)
+  if jnp.ndim(learning_rates) != 1 or learning_rates.shape[0] != (
+      jax.tree.leaves(params)[0].shape[0]):
+    raise ValueError(f"grid_init_state: learning_rates must have shape [G] "
+                     f"with G the leading axis of params, got "
+                     f"{jnp.shape(learning_rates)} for G = "
+                     f"{jax.tree.leaves(params)[0].shape[0]}.")
+
+  def one(p, lr):
+    state = init_state(p, tx)
+    opt = state.opt_state
+    hyper = dict(opt.hyperparams, learning_rate=lr.astype(
+        jnp.result_type(opt.hyperparams["learning_rate"])))
+    return state._replace(opt_state=opt._replace(hyperparams=hyper))
+  return jax.vmap(one)(params, learning_rates)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "tx", "batch"))
@@ -273,6 +343,23 @@ def train_steps(state: TrainState, key: Array, *, graphdef, rest: nnx.State,
   return jax.lax.scan(body, state, None, length=steps)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "tx", "batch",
+                                             "steps"))
+def train_grid_steps(states: TrainState, key: Array, *, graphdef,
+                     rest: nnx.State, spec: TaskSpec,
+                     tx: optax.GradientTransformation, batch: int, steps: int
+                     ) -> tuple[TrainState, Array]:
+  """:func:`train_steps` for ``G`` grid points at once (``states`` from
+  :func:`grid_init_state`); every point sees the same batches. Returns the
+  states and losses ``[G, steps]``."""
+  run = lambda state: train_steps(state, key, graphdef=graphdef, rest=rest,
+                                  spec=spec, tx=tx, batch=batch, steps=steps)
+  # One grid point after another (lax.map), one compilation: on 2 CPU cores
+  # a vmapped grid of 4 points at L = 4 was slower (121 ms per step against
+  # 86 ms, one noisy measurement each).
+  return jax.lax.map(run, states)
+
+
 # --- baselines: predictions [B, Q] from the same tasks -------------------------
 
 
@@ -286,6 +373,39 @@ def ridge_predict(task: ridge.Task, *, lam) -> Array:
   """Predictions of the ridge minimiser: ``[B, Q]``."""
   return jnp.einsum("bqd,bd->bq", task.x_query,
                     ridge.solve(task.x, task.y, lam=lam))
+
+
+def bayes_lam(spec: TaskSpec):
+  r"""The ridge strength whose minimiser is the posterior mean: :math:`\sigma^2 / (N s^2)`.
+
+  ``sigma = spec.noise``, ``s = spec.w_scale``, ``N = spec.n_train``; see
+  :func:`bayes_predict`.
+  """
+  return spec.noise**2 / (spec.n_train * spec.w_scale**2)
+
+
+def bayes_predict(task: ridge.Task, spec: TaskSpec) -> Array:
+  r"""The Bayes-optimal predictions for the tasks of ``spec``: ``[B, Q]``.
+
+  Under the prior :math:`w \sim N(0, s^2 I)` and labels :math:`y = X w +
+  \sigma \varepsilon` (``s = spec.w_scale``, ``sigma = spec.noise``), the
+  posterior of ``w`` given the context is Gaussian with mean
+
+  .. math::
+    E[w \mid X, y] = (X^\top X + \tfrac{\sigma^2}{s^2} I)^{-1} X^\top y,
+
+  whatever the distribution of the inputs, and the query prediction that
+  minimises the expected squared error is :math:`x_q^\top E[w \mid X, y]`.
+  In the library's loss normalisation :math:`L(w) = \frac{1}{2N}\sum_i (y_i
+  - x_i^\top w)^2 + \frac{\lambda}{2}\|w\|^2` (stationary point
+  :math:`(X^\top X / N + \lambda I) w = X^\top y / N`) this is ridge at
+  :math:`\lambda^* = \sigma^2 / (N s^2)` (:func:`bayes_lam`), not at
+  ``spec.lam``. With ``sigma = 0`` it is the minimum-norm least-squares
+  solution (the limit of the posterior mean). It is optimal only for tasks
+  drawn from ``spec`` itself (not under a shift of ``w_scale`` or
+  ``noise``, nor with ``noise_labels``).
+  """
+  return ridge_predict(task, lam=bayes_lam(spec))
 
 
 def least_squares_predict(task: ridge.Task) -> Array:
@@ -308,6 +428,37 @@ def gd_eta_grid_losses(task: ridge.Task, *, lam, etas: Array, steps: int
   per_eta = lambda eta: jnp.mean(mse(gd_predict(task, lam=lam, eta=eta,
                                                 steps=steps), task))
   return jax.lax.map(per_eta, etas)
+
+
+def gd_step_predictions(task: ridge.Task, *, lam, eta, steps: int) -> Array:
+  """Predictions ``x_q^T w_t`` of every GD iterate ``t = 0..steps``: ``[steps + 1, B, Q]``."""
+  w = ridge.gd(task.x, task.y, lam=lam, eta=eta, steps=steps)
+  return jnp.einsum("bqd,tbd->tbq", task.x_query, w)
+
+
+def layer_predictions(model: nn.ElsaStack, form: forms.GDForm,
+                      task: ridge.Task) -> Array:
+  """The query prediction slot decoded after every layer: ``[L + 1, B, Q]``.
+
+  Row ``t`` is ``form.decode_pred`` of the state after layer ``t`` (row 0 is
+  the input, whose slot is 0): the per-layer prediction of von Oswald et al.
+  (2023), to hold against GD step ``t`` (:func:`gd_step_predictions`).
+  """
+  h0 = form.encode(task.x, task.y, x_query=task.x_query)
+  return form.decode_pred(model(h0, return_all=True))
+
+
+def sensitivity_agreement(a: Array, b: Array) -> tuple[Array, Array]:
+  """Cosine similarity and relative L2 distance ``||a - b|| / ||b||`` per task: ``[B]`` each.
+
+  ``a, b``: sensitivities ``[B, Q, d]`` (:func:`query_sensitivity`), compared
+  as one vector of ``Q d`` numbers per task.
+  """
+  a = a.reshape(a.shape[0], -1)
+  b = b.reshape(b.shape[0], -1)
+  norm = lambda v: jnp.sqrt(jnp.sum(v**2, axis=-1))
+  cos = jnp.sum(a * b, axis=-1) / (norm(a) * norm(b))
+  return cos, norm(a - b) / norm(b)
 
 
 def query_sensitivity(predict: Callable[[ridge.Task], Array], task: ridge.Task

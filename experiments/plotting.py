@@ -118,18 +118,30 @@ def final_error_heatmap(records: list[dict], *, forms: list[str]) -> Figure:
 
 # Training (experiments/train.py).
 
+_TRAINED_STYLE = {"elsa_trained": "-", "lsa_trained": "--",
+                  "lsa_residual_trained": "-."}
+
+
+def _trained(results: dict) -> list[str]:
+  return list(results.get("models", results["train_loss"]))
+
+
+def _floats(values) -> np.ndarray:
+  """JSON numbers as floats, ``None`` (non-finite) as NaN, floored for log axes."""
+  return np.maximum(np.asarray(values, dtype=float), _LOG_FLOOR)
+
 
 def train_loss(results: dict) -> Figure:
-  """Training MSE against step (means over ``log_every`` steps), a line per model and depth."""
+  """Training MSE against step (means over ``log_every`` steps) at each model's chosen grid point, a line per model and depth."""
   fig = Figure(figsize=(6, 4), layout="constrained")
   ax = fig.add_subplot()
-  for name, curves in results["train_loss"].items():
-    for depth, curve in zip(results["depths"], curves):
-      ax.plot(curve, label=f"{name} L={depth}",
-              linestyle="-" if name.startswith("elsa") else "--")
+  for i, (name, curves) in enumerate(results["train_loss"].items()):
+    for j, (depth, curve) in enumerate(zip(results["depths"], curves)):
+      ax.plot(curve, label=f"{name} L={depth}", color=f"C{j}",
+              linestyle=_TRAINED_STYLE.get(name, ("-", "--", ":")[i % 3]))
   ax.set(xlabel="step (mean over chunks)", ylabel="train MSE", yscale="log",
-         title="Training loss")
-  ax.legend(fontsize=7)
+         title="Training loss (chosen grid point)")
+  ax.legend(fontsize=6, ncol=2)
   return fig
 
 
@@ -138,9 +150,11 @@ def test_loss_vs_depth(results: dict) -> Figure:
   fig = Figure(figsize=(6, 4), layout="constrained")
   ax = fig.add_subplot()
   for name, losses in results["test_loss"].items():
-    ax.errorbar(results["depths"], losses,
-                yerr=1.96 * np.asarray(results["test_loss_se"][name]),
-                marker="o", capsize=3, label=name)
+    ax.errorbar(results["depths"], np.asarray(losses, dtype=float),
+                yerr=1.96 * np.asarray(results["test_loss_se"][name],
+                                       dtype=float),
+                marker="o", capsize=3, label=name,
+                linestyle=":" if name == "bayes_optimal" else "-")
   ax.set(xlabel="depth L (layers = GD steps)", ylabel="test MSE",
          yscale="log", title="Test loss vs depth (in distribution)")
   ax.legend(fontsize=7)
@@ -148,18 +162,58 @@ def test_loss_vs_depth(results: dict) -> Figure:
 
 
 def trained_vs_gd(results: dict) -> Figure:
-  """Distance of trained ELSA from GD (best eta) against depth: predictions (left), query sensitivities (right)."""
+  """Input sensitivities ``d pred / d x_q`` of each trained model against GD at its depth: cosine similarity (left) and relative L2 distance (right)."""
   fig = Figure(figsize=(10, 4), layout="constrained")
   axes = fig.subplots(1, 2)
   depths = results["depths"]
-  for ax, key in zip(axes, ("pred_mse_to_gd", "sensitivity_mse_to_gd")):
-    ax.plot(depths, results["elsa_trained_vs_gd"][key], "o-",
-            label="in distribution")
-    for shift, res in results["shifted"].items():
-      ax.plot(depths, res["elsa_trained_vs_gd"][key], ".:", label=shift)
-    ax.set(xlabel="depth L", ylabel=key, yscale="log",
-           title=f"trained ELSA vs GD(best eta): {key}")
-  axes[1].legend(fontsize=6)
+  for ax, key, scale in zip(axes, ("sensitivity_cosine", "sensitivity_rel_l2"),
+                            ("linear", "log")):
+    for name in _trained(results):
+      ax.plot(depths, np.asarray(results["trained_vs_gd"][name][key],
+                                 dtype=float), "o-", label=name)
+    ax.set(xlabel="depth L", ylabel=key, yscale=scale,
+           title=f"trained vs GD (chosen eta): {key}")
+  axes[0].axhline(1.0, color="grey", linewidth=0.5)
+  axes[0].legend(fontsize=7)
+  return fig
+
+
+def layer_predictions(results: dict) -> Figure:
+  """The query prediction decoded after every layer of each trained stack, a column per depth.
+
+  Top: test MSE of the layer-``t`` prediction, beside GD step ``t`` and the
+  Bayes-optimal predictor. Bottom: its MSE to GD step ``t`` and to the Bayes
+  prediction (von Oswald et al. 2023, Fig. 2's per-layer comparison).
+  """
+  depths = results["depths"]
+  fig = Figure(figsize=(4 * len(depths), 7), layout="constrained")
+  axes = fig.subplots(2, len(depths), squeeze=False)
+  layers = results["layers"]
+  for j, depth in enumerate(depths):
+    top, bottom = axes[0, j], axes[1, j]
+    t = np.arange(depth + 1)
+    top.plot(t, _floats(layers["gd_steps"][j]["test_loss"]), "k.--",
+             label="GD step t")
+    top.axhline(_floats(results["test_loss"]["bayes_optimal"][j]),
+                color="grey", linestyle=":", label="Bayes-optimal")
+    for i, name in enumerate(_trained(results)):
+      entry = layers[name][j]
+      if entry is None:  # every grid point diverged
+        continue
+      style = _TRAINED_STYLE.get(name, "-")
+      top.plot(t, _floats(entry["test_loss"]), "o" + style, color=f"C{i}",
+               label=name)
+      # From layer 1: at layer 0 both predict 0 (distance 0 to GD step 0).
+      bottom.plot(t[1:], _floats(entry["mse_to_gd_step"][1:]), "o" + style,
+                  color=f"C{i}", label=f"{name} to GD step t")
+      bottom.plot(t[1:], _floats(entry["mse_to_bayes"][1:]), "x:",
+                  color=f"C{i}", label=f"{name} to Bayes")
+    top.set(yscale="log", xlabel="layer t", ylabel="test MSE of layer t",
+            title=f"L={depth}: prediction after each layer", xticks=t)
+    bottom.set(yscale="log", xlabel="layer t", xticks=t,
+               ylabel="MSE between predictions")
+  axes[0, 0].legend(fontsize=6)
+  axes[1, 0].legend(fontsize=6)
   return fig
 
 
@@ -169,9 +223,9 @@ def shifted_test_loss(results: dict) -> Figure:
   fig = Figure(figsize=(4 * len(depths), 4), layout="constrained")
   axes = fig.subplots(1, len(depths), squeeze=False)[0]
   for ax, i in zip(axes, range(len(depths))):
-    for model in ("elsa_trained", "lsa_trained", "gd_best_eta", "ridge"):
-      ax.plot(shifts, [results["shifted"][s]["test_loss"][model][i]
-                       for s in shifts], "o-", label=model)
+    for model in (*_trained(results), "gd_best_eta", "ridge"):
+      ax.plot(shifts, _floats([results["shifted"][s]["test_loss"][model][i]
+                               for s in shifts]), "o-", label=model)
     ax.set(yscale="log", title=f"L={depths[i]}: test MSE under shift")
     ax.tick_params(axis="x", rotation=70, labelsize=6)
   axes[0].legend(fontsize=7)

@@ -1,22 +1,43 @@
-r"""In-context training of ELSA and LSA stacks on ridge regression, against GD, ridge, least squares.
+r"""In-context training of ELSA, LSA and LSA-with-residual stacks on ridge regression, against the baselines.
 
-For every depth ``L`` in ``config.depths`` it trains an ELSA stack (biases on)
-and an LSA stack (biases off) on the same natural tokens, then evaluates on
-the same held-out tasks against: GD at ``L`` steps with the best step size of
-a grid (chosen on the test tasks themselves: an oracle, the strictest
-baseline), the constructed ELSA-GD stack (``Natural.gd_params`` at that step
-size), ``ridge.solve`` at the tasks' lambda, least squares and the zero
-predictor. The same models are evaluated under distribution shifts
-(``config.shifts``), with GD's step size kept at its in-distribution value.
+For every depth ``L`` in ``config.depths`` it trains each model of
+``config.models`` on the same natural tokens, widths and budget:
 
-Workdir: ``config.json``, ``checkpoints/<model>_L<depth>/`` (orbax, every
-``checkpoint_every`` steps: an interrupted run resumes from the last one and
-sees the same batches), ``results.json`` (written last) and ``figures/``.
+* ``elsa_trained``: ELSA (biases on), no residual; component 0 of every layer
+  starts at the exact skip (``config.skip_init``);
+* ``lsa_trained``: the same stack without biases (plain LSA);
+* ``lsa_residual_trained``: LSA with the residual stream
+  ``h <- h + sum_c lsa(p_c, h)`` (von Oswald et al. 2023), ``elsa.nn``'s
+  ``residual=True``.
+
+Tuning is the same for every model: each trains at every point of one grid
+``config.learning_rates x config.init_scales`` (the grid runs as one compiled
+program, every point on the same batches), and the point with the lowest MSE
+on VALIDATION tasks (drawn from their own key, never the test tasks) is the
+model's; a point whose training or validation loss is not finite is skipped
+and reported as diverged. GD's step size is chosen the same way, on the
+validation tasks, from ``eta_grid`` points in ``[eta_min, eta_max]``.
+
+On the test tasks every model meets: the Bayes-optimal posterior mean
+(``training.bayes_predict``: ridge at ``noise^2 / (N w_scale^2)``), ridge at
+the tasks' lambda, least squares, GD at its chosen step size, the constructed
+ELSA-GD stack at that step size, and zero; per model, the paired per-task
+difference to the Bayes predictor. Analysis (von Oswald et al.): the query
+prediction decoded after every layer against GD step ``t`` and the Bayes
+predictor, and the cosine similarity and relative L2 distance of
+``d pred / d x_q`` to GD at each depth. The same models are evaluated under
+distribution shifts (``config.shifts``) with GD's in-distribution step size.
+
+Workdir: ``config.json``, ``checkpoints/<model>_L<depth>/`` (orbax, the whole
+grid every ``checkpoint_every`` steps: an interrupted run resumes from the
+last one and sees the same batches), ``results.json`` (written last) and
+``figures/``.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging as std_logging
 import os
 import time
@@ -34,52 +55,101 @@ from elsa import training
 from experiments import common
 from experiments import plotting
 
-MODELS = {"elsa_trained": True, "lsa_trained": False}  # name -> use_bias
+# name -> switches of training.init_model.
+MODELS = {"elsa_trained": dict(use_bias=True, residual=False),
+          "lsa_trained": dict(use_bias=False, residual=False),
+          "lsa_residual_trained": dict(use_bias=False, residual=True)}
+BASELINES = ("bayes_optimal", "gd_best_eta", "elsa_constructed_gd", "ridge",
+             "least_squares", "zero")
 # Models, training batches and test tasks alike (also under jax_enable_x64).
 DTYPE = jnp.float32
 
 
 def _spec(config, **shift) -> training.TaskSpec:
+  """The config's tasks; a shift's ``x_scale`` multiplies the config's, its
+  other fields replace the config's."""
+  fields = {"x_dist": config.x_dist, **shift,
+            "x_scale": config.x_scale * shift.get("x_scale", 1.0)}
   return training.TaskSpec(n_train=config.n_train, d=config.d,
                            n_query=config.n_query, lam=config.lam,
-                           noise=config.noise, **shift)
+                           noise=config.noise, **fields)
 
 
-def _init(config, *, depth: int, use_bias: bool, dtype):
+def _check(config) -> None:
+  unknown = set(config.models) - set(MODELS)
+  if unknown or not config.models:
+    raise common.ConfigError(f"train config: models must be a non-empty tuple "
+                             f"of {tuple(MODELS)}, got {tuple(config.models)}.")
+  for field in ("learning_rates", "init_scales"):
+    values = tuple(config[field])
+    if not values or any(v <= 0 for v in values):
+      raise common.ConfigError(f"train config: {field} must be a non-empty "
+                               f"tuple of positive numbers, got {values}.")
+
+
+def grid(config) -> list[tuple[float, float]]:
+  """The tuning grid, ``(learning_rate, init_scale)`` pairs in a fixed order."""
+  return list(itertools.product(config.learning_rates, config.init_scales))
+
+
+def _init(config, *, name: str, depth: int, init_scale: float, dtype):
+  # One key per depth for every model and scale: the random part of the
+  # weights is the same draw, only its scale differs.
   key = jax.random.fold_in(jax.random.key(config.seed), depth)
+  switches = MODELS[name]
   return training.init_model(
       key, _spec(config), depth=depth, components=config.components,
-      inner=config.inner, use_bias=use_bias, tied=config.tied,
-      scale=config.init_scale,
-      skip_init=use_bias and config.skip_init, dtype=dtype)
+      inner=config.inner, tied=config.tied, scale=init_scale,
+      skip_init=switches["use_bias"] and config.skip_init, dtype=dtype,
+      **switches)
+
+
+def _init_grid(config, *, name: str, depth: int) -> training.Split:
+  """The split of one model with its ``nnx.Param`` leaves stacked over the grid."""
+  splits = [training.split(_init(config, name=name, depth=depth,
+                                 init_scale=scale, dtype=DTYPE))
+            for _, scale in grid(config)]
+  params = jax.tree.map(lambda *leaves: jnp.stack(leaves),
+                        *(s.params for s in splits))
+  return splits[0]._replace(params=params)
 
 
 @functools.lru_cache(maxsize=None)
 def _optimizer(*, learning_rate: float, steps: int, warmup_steps: int,
-               clip_norm: float | None):
+               end_fraction: float, clip_norm: float | None):
   """``training.optimizer``, one object per setting.
 
   The optimizer is a static argument of the compiled train step: an equal
   object lets a later run in the same process (a notebook, the tests) reuse
-  that compilation instead of repeating it.
+  that compilation instead of repeating it. The grid's learning rates are
+  traced values in its state, so one object serves the whole grid.
   """
   return training.optimizer(learning_rate=learning_rate, steps=steps,
-                            warmup_steps=warmup_steps, clip_norm=clip_norm)
+                            warmup_steps=warmup_steps,
+                            end_fraction=end_fraction, clip_norm=clip_norm)
 
 
 def _checkpointed(state, losses):
   return {"state": jax.tree.leaves(state), "losses": losses}
 
 
-def train_one(config, *, depth: int, use_bias: bool, folder: str,
+def train_one(config, *, name: str, depth: int, folder: str,
               progress: common.Progress):
-  """Trains (or resumes, or loads) one stack; returns the split and losses ``[steps]``."""
-  split = training.split(_init(config, depth=depth, use_bias=use_bias,
-                               dtype=DTYPE))
-  tx = _optimizer(learning_rate=config.learning_rate, steps=config.steps,
-                  warmup_steps=config.warmup_steps, clip_norm=config.clip_norm)
-  state = training.init_state(split.params, tx)
-  losses = np.full(config.steps, np.nan, DTYPE)
+  """Trains (or resumes, or loads) one model over the whole grid.
+
+  Returns:
+    the split with parameters stacked over the ``G`` grid points, the losses
+    ``[G, steps]`` and the seconds per step per grid point of the chunks
+    after the first (which compiles); ``None`` if fewer than two chunks ran.
+  """
+  split = _init_grid(config, name=name, depth=depth)
+  tx = _optimizer(learning_rate=config.learning_rates[0], steps=config.steps,
+                  warmup_steps=config.warmup_steps,
+                  end_fraction=config.end_fraction, clip_norm=config.clip_norm)
+  points = grid(config)
+  state = training.grid_init_state(
+      split.params, tx, learning_rates=jnp.asarray([lr for lr, _ in points]))
+  losses = np.full((len(points), config.steps), np.nan, DTYPE)
   manager = ocp.CheckpointManager(
       os.path.abspath(folder),
       options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints))
@@ -91,26 +161,62 @@ def train_one(config, *, depth: int, use_bias: bool, folder: str,
     state = jax.tree.unflatten(jax.tree.structure(state), restored["state"])
     losses = np.asarray(restored["losses"])
     logging.info("%s: resumed at step %d", folder, start)
-    progress.resumed(start)
+    progress.resumed(start * len(points))
   key = jax.random.fold_in(jax.random.key(config.seed), 10_000 + depth)
-  step = int(state.step)
+  step = start or 0
+  timed_steps, timed_seconds = 0, 0.0
   while step < config.steps:
     chunk = min(config.checkpoint_every, config.steps - step)
-    state, chunk_losses = training.train_steps(
+    tic = time.perf_counter()
+    state, chunk_losses = training.train_grid_steps(
         state, key, graphdef=split.graphdef, rest=split.rest,
         spec=_spec(config), tx=tx, batch=config.batch, steps=chunk)
-    losses[step:step + chunk] = np.asarray(chunk_losses)
+    losses[:, step:step + chunk] = np.asarray(chunk_losses)
+    if step > (start or 0):  # the first chunk of a process compiles
+      timed_steps += chunk
+      timed_seconds += time.perf_counter() - tic
     step += chunk
     manager.save(step, args=ocp.args.StandardSave(_checkpointed(state,
                                                                 losses)))
-    progress.update(chunk)
+    progress.update(chunk * len(points))
   manager.wait_until_finished()
   manager.close()
-  if not np.isfinite(losses).all():
-    logging.warning("%s: training DIVERGED (non-finite loss from step %d); its "
-                    "results are reported as diverged.", folder,
-                    int(np.argmin(np.isfinite(losses))))
-  return split._replace(params=state.params), losses
+  for (lr, scale), point_losses in zip(points, losses):
+    if not np.isfinite(point_losses).all():
+      logging.warning("%s: lr=%g init_scale=%g DIVERGED (non-finite loss from "
+                      "step %d); skipped in tuning.", folder, lr, scale,
+                      int(np.argmin(np.isfinite(point_losses))))
+  seconds = (timed_seconds / timed_steps / len(points) if timed_steps
+             else None)
+  return split._replace(params=state.params), losses, seconds
+
+
+def _pick(split: training.Split, index: int) -> training.Split:
+  return split._replace(params=jax.tree.map(lambda a: a[index], split.params))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def _grid_val_loss(params, rest, task, *, graphdef, spec):
+  return jnp.mean(training.grid_loss(params, task, graphdef=graphdef,
+                                     rest=rest, form=spec.form()), axis=-1)
+
+
+def _select(config, split: training.Split, losses: np.ndarray, task
+            ) -> dict[str, Any]:
+  """The grid point with the lowest validation MSE among those that did not diverge."""
+  val = np.asarray(_grid_val_loss(split.params, split.rest, task,
+                                  graphdef=split.graphdef, spec=_spec(config)),
+                   np.float64)
+  diverged = ~np.isfinite(losses).all(axis=1) | ~np.isfinite(val)
+  points = grid(config)
+  chosen = None
+  if not diverged.all():
+    chosen = int(np.argmin(np.where(diverged, np.inf, val)))
+  return {"index": chosen,
+          "learning_rate": None if chosen is None else points[chosen][0],
+          "init_scale": None if chosen is None else points[chosen][1],
+          "val_loss": val.tolist(),
+          "diverged": [list(p) for p, d in zip(points, diverged) if d]}
 
 
 def _stats(per_task) -> dict[str, float]:
@@ -120,52 +226,91 @@ def _stats(per_task) -> dict[str, float]:
           "se": float(per_task.std(ddof=1) / np.sqrt(per_task.size))}
 
 
-def _depth_evaluator(config, models: dict, eta: float, depth: int):
-  """A jitted ``task -> (per-task MSE per model, distances to GD)`` for one depth.
+def _depth_evaluator(config, trained: dict, eta: float, depth: int):
+  """A jitted ``task -> (per-task MSE, agreement with GD, per-layer)`` for one depth.
 
-  Built once per depth and reused for every shift: shifts change the tasks,
-  not the token layout (``spec.form()``) or the lambda.
+  ``trained``: ``{name: module}`` of the chosen grid points (models whose
+  whole grid diverged are absent). Built once per depth and reused for every
+  shift: shifts change the tasks, not the token layout or the lambda; the
+  Bayes predictor keeps the in-distribution prior.
   """
   spec = _spec(config)
-  trained = {name: training.merge(*runs[depth]) for name, runs in
-             models.items()}
+  form = spec.form()
 
   def evaluate(task):
     gd = lambda t: training.gd_predict(t, lam=spec.lam, eta=eta, steps=depth)
-    elsa_predict = lambda t: training.model_predict(trained["elsa_trained"],
-                                                    spec.form(), t)
-    preds = {"gd_best_eta": gd(task),
+    preds = {"bayes_optimal": training.bayes_predict(task, spec),
+             "gd_best_eta": gd(task),
              "elsa_constructed_gd": training.constructed_gd_predict(
                  task, spec, eta=DTYPE(eta), depth=depth),
              "ridge": training.ridge_predict(task, lam=spec.lam),
              "least_squares": training.least_squares_predict(task),
              "zero": jnp.zeros_like(task.y_query)}
+    gd_sens = training.query_sensitivity(gd, task)
+    gd_steps = training.gd_step_predictions(task, lam=spec.lam, eta=eta,
+                                            steps=depth)
+    to = lambda target: task._replace(y_query=target)
+    agree, layers = {}, {}
     for name, model in trained.items():
-      preds[name] = training.model_predict(model, spec.form(), task)
+      predict = lambda t, model=model: training.model_predict(model, form, t)
+      preds[name] = predict(task)
+      cos, rel = training.sensitivity_agreement(
+          training.query_sensitivity(predict, task), gd_sens)
+      agree[name] = {"pred_mse_to_gd": training.mse(preds[name],
+                                                    to(preds["gd_best_eta"])),
+                     "sensitivity_cosine": cos, "sensitivity_rel_l2": rel}
+      per_layer = training.layer_predictions(model, form, task)
+      layers[name] = {
+          "test_loss": jax.vmap(lambda p: training.mse(p, task).mean())(
+              per_layer),
+          "mse_to_gd_step": jax.vmap(
+              lambda p, g: training.mse(p, to(g)).mean())(per_layer, gd_steps),
+          "mse_to_bayes": jax.vmap(lambda p: training.mse(
+              p, to(preds["bayes_optimal"])).mean())(per_layer)}
+    layers["gd_steps"] = {"test_loss": jax.vmap(
+        lambda p: training.mse(p, task).mean())(gd_steps)}
     losses = {name: training.mse(pred, task) for name, pred in preds.items()}
-    gap = (training.query_sensitivity(elsa_predict, task)
-           - training.query_sensitivity(gd, task))
-    dist = {"pred_mse_to_gd": training.mse(
-                preds["elsa_trained"], task._replace(y_query=preds["gd_best_eta"])),
-            "sensitivity_mse_to_gd": jnp.mean(gap**2, axis=(1, 2))}
-    return losses, dist
+    return losses, agree, layers
 
   return jax.jit(evaluate)
 
 
-def _evaluate(evaluators: list, task) -> dict[str, Any]:
-  """Per-depth test losses (mean, se) of every model and baseline on ``task``."""
+def _evaluate(config, evaluators: list, task, *, layers: bool = False
+              ) -> dict[str, Any]:
+  """Per-depth test losses (mean, se) of every model and baseline on ``task``.
+
+  A model whose grid diverged at a depth gets NaN there (``null`` in JSON).
+  """
   per_depth = [evaluate(task) for evaluate in evaluators]
-  out = {}
-  for part, name in ((0, "test_loss"), (1, "elsa_trained_vs_gd")):
-    stats = {key: [_stats(res[part][key]) for res in per_depth]
-             for key in per_depth[0][part]}
-    out[name] = {k: [s["mean"] for s in v] for k, v in stats.items()}
-    out[f"{name}_se"] = {k: [s["se"] for s in v] for k, v in stats.items()}
+  names = [*config.models, *BASELINES]
+  out = {"test_loss": {}, "test_loss_se": {}, "vs_bayes": {},
+         "trained_vs_gd": {}}
+  for name in names:
+    stats = [_stats(res[0][name]) if name in res[0] else None
+             for res in per_depth]
+    out["test_loss"][name] = [s["mean"] if s else np.nan for s in stats]
+    out["test_loss_se"][name] = [s["se"] if s else np.nan for s in stats]
+  for name in config.models:
+    diff = [_stats(res[0][name] - res[0]["bayes_optimal"]) if name in res[0]
+            else {"mean": np.nan, "se": np.nan} for res in per_depth]
+    out["vs_bayes"][name] = {"mean": [d["mean"] for d in diff],
+                             "se": [d["se"] for d in diff]}
+    agree = {}
+    for key in ("pred_mse_to_gd", "sensitivity_cosine", "sensitivity_rel_l2"):
+      agree[key] = [float(np.mean(np.asarray(res[1][name][key], np.float64)))
+                    if name in res[1] else np.nan for res in per_depth]
+    out["trained_vs_gd"][name] = agree
+  if layers:
+    out["layers"] = {
+        name: [{k: np.asarray(v, np.float64).tolist()
+                for k, v in res[2][name].items()} if name in res[2] else None
+               for res in per_depth]
+        for name in (*config.models, "gd_steps")}
   return out
 
 
 def _best_etas(config, task) -> tuple[dict[int, float], dict[str, list]]:
+  """GD's step size per depth: the lowest mean MSE on ``task`` (validation)."""
   etas = jnp.linspace(config.eta_min, config.eta_max, config.eta_grid,
                       dtype=DTYPE)
   best, curves = {}, {}
@@ -174,7 +319,7 @@ def _best_etas(config, task) -> tuple[dict[int, float], dict[str, list]]:
                                          steps=depth)
     best[depth] = float(etas[int(jnp.nanargmin(losses))])
     curves[str(depth)] = np.asarray(losses).tolist()
-  return best, {"etas": np.asarray(etas).tolist(), "test_loss": curves}
+  return best, {"etas": np.asarray(etas).tolist(), "val_loss": curves}
 
 
 def _write_figures(results: dict, workdir: str) -> None:
@@ -182,71 +327,93 @@ def _write_figures(results: dict, workdir: str) -> None:
   for name, draw in (("train_loss", plotting.train_loss),
                      ("test_loss_vs_depth", plotting.test_loss_vs_depth),
                      ("trained_vs_gd", plotting.trained_vs_gd),
+                     ("layer_predictions", plotting.layer_predictions),
                      ("shifted_test_loss", plotting.shifted_test_loss)):
     common.save_figure(draw(results), os.path.join(folder, f"{name}.png"))
 
 
-def _evaluate_all(config, models: dict) -> dict[str, Any]:
-  """Best GD step sizes, then every model and baseline in distribution and shifted."""
-  test_key = jax.random.fold_in(jax.random.key(config.seed), 20_000)
-  task = training.sample_tasks(test_key, _spec(config), batch=config.n_test,
-                               dtype=DTYPE)
-  etas, eta_curves = _best_etas(config, task)
-  by_depth = {name: dict(zip(config.depths, runs)) for name, runs in
-              models.items()}
-  evaluators = [_depth_evaluator(config, by_depth, etas[depth], depth)
+def _tasks(config, salt: int, **shift):
+  key = jax.random.fold_in(jax.random.key(config.seed), salt)
+  return training.sample_tasks(key, _spec(config, **shift),
+                               batch=config.n_test, dtype=DTYPE)
+
+
+def _evaluate_all(config, trained: dict, etas: dict[int, float]
+                  ) -> dict[str, Any]:
+  """Every model and baseline on the test tasks, in distribution and shifted."""
+  evaluators = [_depth_evaluator(
+      config, {name: by_depth[depth] for name, by_depth in trained.items()
+               if depth in by_depth}, etas[depth], depth)
                 for depth in config.depths]
-  out = dict(gd_best_eta=[etas[depth] for depth in config.depths],
-             gd_eta_grid=eta_curves, **_evaluate(evaluators, task))
+  out = _evaluate(config, evaluators, _tasks(config, 20_000), layers=True)
   out["shifted"] = {}
   for name, shift in config.shifts.items():
-    shifted = training.sample_tasks(test_key, _spec(config, **shift),
-                                    batch=config.n_test, dtype=DTYPE)
-    out["shifted"][name] = _evaluate(evaluators, shifted)
+    shifted = _evaluate(config, evaluators, _tasks(config, 20_000, **shift))
+    out["shifted"][name] = {k: shifted[k] for k in
+                            ("test_loss", "test_loss_se", "trained_vs_gd")}
   return out
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *,
         overwrite: bool = False) -> dict:
-  """Trains, evaluates, writes ``results.json`` and figures; resumes or skips.
+  """Trains, tunes, evaluates, writes ``results.json`` and figures; resumes or skips.
 
   Returns:
     The results dict (what ``results.json`` holds).
   """
+  _check(config)
   common.prepare_workdir(workdir, config, overwrite=overwrite)
   done = common.read_json(os.path.join(workdir, "results.json"))
   if done is not None:
     logging.info("%s: results of this config exist; nothing to do.", workdir)
     return done
   start = time.perf_counter()
-  progress = common.Progress(len(MODELS) * len(config.depths) * config.steps,
-                             name="train", unit="steps")
-  models, train_loss = {}, {}
-  for name, use_bias in MODELS.items():
-    models[name], train_loss[name] = [], []
+  points = grid(config)
+  progress = common.Progress(
+      len(config.models) * len(config.depths) * config.steps * len(points),
+      name="train", unit="steps")
+  # Validation tasks: their own key (salt 30_000), never the test tasks'.
+  val_task = _tasks(config, 30_000)
+  trained, train_loss, tuning, ms_per_step = {}, {}, {}, {}
+  for name in config.models:
+    trained[name], train_loss[name], tuning[name] = {}, [], []
+    ms_per_step[name] = []
     for depth in config.depths:
-      split, losses = train_one(
-          config, depth=depth, use_bias=use_bias, progress=progress,
+      split, losses, seconds = train_one(
+          config, name=name, depth=depth, progress=progress,
           folder=os.path.join(workdir, "checkpoints", f"{name}_L{depth}"))
-      models[name].append(split)
+      choice = _select(config, split, losses, val_task)
+      index = choice.pop("index")
+      if index is not None:
+        trained[name][depth] = training.merge(*_pick(split, index))
+      curve = losses[0 if index is None else index]
       train_loss[name].append(
-          losses.reshape(-1, config.log_every).mean(axis=1).tolist()
-          if config.steps % config.log_every == 0 else losses.tolist())
+          curve.reshape(-1, config.log_every).mean(axis=1).tolist()
+          if config.steps % config.log_every == 0 else curve.tolist())
+      tuning[name].append(choice)
+      ms_per_step[name].append(None if seconds is None else 1e3 * seconds)
   train_seconds = time.perf_counter() - start
 
-  results = dict(depths=list(config.depths), train_loss=train_loss,
-                 train_seconds=train_seconds)
+  etas, eta_curves = _best_etas(config, val_task)
+  results = dict(depths=list(config.depths), models=list(config.models),
+                 grid=[list(p) for p in points], tuning=tuning,
+                 gd_best_eta=[etas[d] for d in config.depths],
+                 gd_eta_grid=eta_curves,
+                 bayes_lam=training.bayes_lam(_spec(config)),
+                 train_loss=train_loss, train_seconds=train_seconds,
+                 ms_per_step=ms_per_step)
   # Exact float32 products on GPU/TPU too (their default is bfloat16 passes):
   # the GD references and the constructed stack must agree to rounding.
   with jax.default_matmul_precision("highest"):
-    results.update(_evaluate_all(config, models))
-  results["diverged"] = {
-      name: [not np.isfinite(loss).all() for loss in train_loss[name]]
-      for name in MODELS}
-  results["ratio_elsa_to_gd"] = [
-      a / b for a, b in zip(results["test_loss"]["elsa_trained"],
-                            results["test_loss"]["gd_best_eta"])]
+    results.update(_evaluate_all(config, trained, etas))
+  results["diverged"] = {name: [t["learning_rate"] is None for t in tuning[name]]
+                         for name in config.models}
+  gd = results["test_loss"]["gd_best_eta"]
+  results["ratio_to_gd"] = {name: [a / b for a, b in zip(
+      results["test_loss"][name], gd)] for name in config.models}
   results["seconds"] = time.perf_counter() - start
+  # What results.json will hold (non-finite numbers as None), returned too.
+  results = common.finite_or_none(results)
   _write_figures(results, workdir)
   common.write_json(os.path.join(workdir, "results.json"), results)
   for i, depth in enumerate(config.depths):

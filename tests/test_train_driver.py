@@ -1,4 +1,4 @@
-"""End-to-end test of experiments/train.py on a tiny config: results, resume, overwrite."""
+"""End-to-end test of experiments/train.py on a tiny config: results, tuning, resume, overwrite."""
 
 import os
 import shutil
@@ -8,16 +8,21 @@ import pytest
 
 from experiments import common
 from experiments import train
-from experiments.configs import train_tiny
+from experiments.configs import train as train_config
+
+MODELS = ("elsa_trained", "lsa_trained", "lsa_residual_trained")
+BASELINES = ("bayes_optimal", "gd_best_eta", "ridge", "elsa_constructed_gd",
+             "least_squares", "zero")
 
 
 def _config():
-  """Two checkpoints (steps 10, 20) of one depth; seconds end to end."""
-  config = train_tiny.get_config()
+  """Two checkpoints (steps 10, 20) of one depth; a 2-point grid of which one
+  point (lr 1e6) diverges; seconds end to end."""
+  config = train_config.get_config("tiny")
   config.depths = (1,)
   config.steps = 20
   config.warmup_steps = 5
-  config.learning_rate = 1e-2
+  config.learning_rates = (1e-2, 1e6)
   config.log_every = 10
   config.checkpoint_every = 10
   config.keep_checkpoints = 3
@@ -35,8 +40,8 @@ def _checkpoints(workdir: str, model: str = "elsa_trained_L1") -> list[str]:
 def _check_results(config, workdir: str, results: dict) -> None:
   assert common.read_json(os.path.join(workdir, "results.json")) == results
   losses = results["test_loss"]
-  for name in ("elsa_trained", "lsa_trained", "gd_best_eta", "ridge",
-               "elsa_constructed_gd", "least_squares", "zero"):
+  assert set(losses) == {*MODELS, *BASELINES}
+  for name in (*MODELS, *BASELINES):
     assert len(losses[name]) == 1 and len(results["test_loss_se"][name]) == 1
     assert np.isfinite(losses[name][0]) and losses[name][0] > 0
   # 20 steps of training already beat predicting zero.
@@ -45,15 +50,47 @@ def _check_results(config, workdir: str, results: dict) -> None:
   for curves in results["train_loss"].values():
     assert len(curves[0]) == config.steps // config.log_every
     assert curves[0][-1] < curves[0][0]
-  assert results["diverged"] == {"elsa_trained": [False], "lsa_trained": [False]}
+  # Tuning: the lr-1e6 point diverged in every model, was reported and
+  # skipped; the chosen point is the other one, its validation loss finite.
+  assert results["grid"] == [[1e-2, 0.03], [1e6, 0.03]]
+  for name in MODELS:
+    (tuned,) = results["tuning"][name]
+    assert tuned["diverged"] == [[1e6, 0.03]]
+    assert (tuned["learning_rate"], tuned["init_scale"]) == (1e-2, 0.03)
+    assert np.isfinite(tuned["val_loss"][0]) and tuned["val_loss"][1] is None
+  assert results["diverged"] == {name: [False] for name in MODELS}
+  # No model beats the Bayes-optimal predictor by more than two standard
+  # errors of the paired per-task difference (that would be a bug).
+  for name in MODELS:
+    diff = results["vs_bayes"][name]
+    assert diff["mean"][0] > -2 * diff["se"][0], (name, diff)
+  assert results["bayes_lam"] == pytest.approx(
+      config.noise**2 / config.n_train)
+  # At L = 1 the residual adds the input, whose prediction slot is 0: the
+  # residual LSA is the plain LSA (same init, same batches).
+  assert losses["lsa_residual_trained"][0] == pytest.approx(
+      losses["lsa_trained"][0], rel=1e-5)
   # The constructed stack is GD (float32).
   assert losses["elsa_constructed_gd"][0] == pytest.approx(
       losses["gd_best_eta"][0], rel=1e-4)
   assert len(results["gd_eta_grid"]["etas"]) == config.eta_grid
   assert results["gd_best_eta"][0] in results["gd_eta_grid"]["etas"]
+  # Analysis: per-layer predictions (L + 1 of them; layer 0 predicts 0) and
+  # the agreement of input sensitivities with GD.
+  for name in MODELS:
+    (layers,) = results["layers"][name]
+    assert len(layers["test_loss"]) == 2
+    assert layers["test_loss"][0] == pytest.approx(losses["zero"][0])
+    assert layers["test_loss"][1] == pytest.approx(losses[name][0], rel=1e-5)
+    agree = results["trained_vs_gd"][name]
+    assert -1 <= agree["sensitivity_cosine"][0] <= 1
+    assert agree["sensitivity_rel_l2"][0] >= 0
+    assert results["ms_per_step"][name][0] > 0
+  assert results["layers"]["gd_steps"][0]["test_loss"][1] == pytest.approx(
+      losses["gd_best_eta"][0], rel=1e-5)
   assert set(results["shifted"]) == {"x_scale_x2"}
   for name in ("train_loss.png", "test_loss_vs_depth.png", "trained_vs_gd.png",
-               "shifted_test_loss.png"):
+               "layer_predictions.png", "shifted_test_loss.png"):
     assert os.path.getsize(os.path.join(workdir, "figures", name)) > 1000
   assert _checkpoints(workdir) == ["10", "20"]
 
@@ -77,7 +114,8 @@ def test_results_rerun_and_resume(tmp_path, monkeypatch):
   os.remove(os.path.join(workdir, "results.json"))
   shutil.rmtree(os.path.join(workdir, "checkpoints", "elsa_trained_L1", "20"))
   resumed = train.run(config, workdir)
-  assert resumed_at == [10, 20]  # elsa from step 10; lsa was finished
+  # Progress counts grid-point steps: elsa from step 10, the others finished.
+  assert resumed_at == [10 * 2, 20 * 2, 20 * 2]
   assert resumed["test_loss"] == results["test_loss"]
   assert resumed["train_loss"] == results["train_loss"]
   assert _checkpoints(workdir) == ["10", "20"]
@@ -106,6 +144,34 @@ def test_overwrite_does_not_resume_old_checkpoints(tmp_path, monkeypatch):
   # Only the new run's last checkpoint: the old ones (10, 20) were deleted.
   assert _checkpoints(workdir) == ["20"]
   assert _checkpoints(workdir, "lsa_trained_L1") == ["20"]
+  assert _checkpoints(workdir, "lsa_residual_trained_L1") == ["20"]
   assert common.read_json(os.path.join(workdir, "config.json")) == (
       common.config_dict(config))
   assert new["train_loss"] != results["train_loss"]
+
+
+def test_config_variants():
+  assert train_config.get_config().models == MODELS
+  tiny = train_config.get_config("tiny")
+  assert tiny.depths == (1, 2) and tiny.steps == 200
+  grid = train_config.get_config("grid")
+  assert len(train.grid(grid)) == 9
+  vo = train_config.get_config("vonoswald")
+  assert (vo.d, vo.n_train, vo.n_query, vo.noise, vo.batch, vo.steps) == (
+      10, 10, 1, 0.0, 2048, 5000)
+  assert vo.tied and vo.models == ("lsa_residual_trained",)
+  spec = train._spec(vo)
+  assert (spec.x_dist, spec.x_scale) == ("uniform", pytest.approx(12**-0.5))
+  with pytest.raises(ValueError, match="unknown argument 'huge'"):
+    train_config.get_config("huge")
+
+
+def test_bad_models_and_grids_are_refused(tmp_path):
+  config = _config()
+  config.models = ("elsa_trained", "transformer")
+  with pytest.raises(common.ConfigError, match="models"):
+    train.run(config, str(tmp_path / "a"))
+  config = _config()
+  config.init_scales = ()
+  with pytest.raises(common.ConfigError, match="init_scales"):
+    train.run(config, str(tmp_path / "b"))

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import elsa
@@ -165,3 +166,176 @@ def test_defaults_are_jax_default_float_and_wide_skip_is_identity():
   h = jax.random.normal(jax.random.key(4), (2, SPEC.form().m, SPEC.form().n),
                         default)
   np.testing.assert_allclose(np.asarray(model(h)), np.asarray(h), rtol=1e-12)
+
+
+@pytest.mark.parametrize("n_train,d,n_query,noise,w_scale", [
+    (8, 3, 2, 0.3, 1.0), (4, 6, 1, 0.5, 2.0), (12, 2, 3, 0.1, 0.5)])
+def test_bayes_predict_is_the_posterior_mean(n_train, d, n_query, noise,
+                                             w_scale):
+  spec = training.TaskSpec(n_train=n_train, d=d, n_query=n_query, lam=0.05,
+                           noise=noise, w_scale=w_scale)
+  task = training.sample_tasks(jax.random.key(11), spec, batch=3,
+                               dtype=jnp.float64)
+  # Gaussian conditioning of w ~ N(0, s^2 I) on y = X w + sigma eps, in the
+  # kernel form (no ridge, no N): E[w | y] = s^2 X^T (s^2 X X^T + sigma^2 I)^-1 y.
+  x, y = np.asarray(task.x), np.asarray(task.y)
+  w_post = np.stack([w_scale**2 * x[b].T @ np.linalg.solve(
+      w_scale**2 * x[b] @ x[b].T + noise**2 * np.eye(n_train), y[b])
+                     for b in range(3)])
+  want = np.einsum("bqd,bd->bq", np.asarray(task.x_query), w_post)
+  np.testing.assert_allclose(np.asarray(training.bayes_predict(task, spec)),
+                             want, rtol=1e-10, atol=1e-12)
+  assert training.bayes_lam(spec) == pytest.approx(
+      noise**2 / (n_train * w_scale**2))
+
+
+def test_bayes_beats_ridge_at_other_lambdas():
+  # On many tasks of its prior, the posterior mean has the lowest MSE of the
+  # ridge family (paired differences, seed 12: every gap > 4 s.e.).
+  spec = training.TaskSpec(n_train=6, d=4, noise=0.5, lam=0.05)
+  task = training.sample_tasks(jax.random.key(12), spec, batch=20000,
+                               dtype=jnp.float64)
+  bayes = np.asarray(training.mse(training.bayes_predict(task, spec), task))
+  for lam in (0.0, 0.1 * training.bayes_lam(spec),
+              10 * training.bayes_lam(spec)):
+    other = np.asarray(training.mse(training.ridge_predict(task, lam=lam),
+                                    task))
+    gap = other - bayes
+    assert gap.mean() > 4 * gap.std(ddof=1) / np.sqrt(gap.size), lam
+
+
+def test_uniform_inputs():
+  spec = training.TaskSpec(n_train=8, d=3, x_dist="uniform", x_scale=12**-0.5)
+  t = training.sample_tasks(jax.random.key(13), spec, batch=2000,
+                            dtype=jnp.float64)
+  x = np.asarray(t.x)
+  assert x.min() >= -0.5 and x.max() <= 0.5 and x.min() < -0.49
+  assert abs(x.var() - 1 / 12) < 0.003
+  np.testing.assert_allclose(np.asarray(t.y),
+                             np.einsum("bnd,bd->bn", x, t.w_true), rtol=1e-12)
+
+
+def test_layer_predictions_of_the_constructed_stack_are_gd_steps():
+  # Exact (float64): layer t of the ELSA-GD stack predicts what GD step t does.
+  task = training.sample_tasks(jax.random.key(14), SPEC, batch=3,
+                               dtype=jnp.float64)
+  params = SPEC.form().gd_params(lam=SPEC.lam, eta=0.4, depth=4)
+  got = training.layer_predictions(elsa.nn.ElsaStack.from_params(params),
+                                   SPEC.form(), task)
+  want = training.gd_step_predictions(task, lam=SPEC.lam, eta=0.4, steps=4)
+  assert got.shape == want.shape == (5, 3, SPEC.n_query)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10,
+                             atol=1e-12)
+  x, y, xq = (np.asarray(a) for a in (task.x, task.y, task.x_query))
+  w = np.zeros((3, SPEC.d))
+  for t in range(1, 5):  # numpy GD, the independent reference
+    grad = np.einsum("bnd,bn->bd", x, np.einsum("bnd,bd->bn", x, w) - y)
+    w = (1 - 0.4 * SPEC.lam) * w - 0.4 / SPEC.n_train * grad
+    np.testing.assert_allclose(np.asarray(want[t]),
+                               np.einsum("bqd,bd->bq", xq, w), rtol=1e-10)
+
+
+def test_sensitivity_agreement():
+  a = jax.random.normal(jax.random.key(15), (4, 2, 3), jnp.float64)
+  b = jax.random.normal(jax.random.key(16), (4, 2, 3), jnp.float64)
+  cos, rel = training.sensitivity_agreement(a, b)
+  fa, fb = np.asarray(a).reshape(4, -1), np.asarray(b).reshape(4, -1)
+  np.testing.assert_allclose(np.asarray(cos), np.sum(fa * fb, 1) / (
+      np.linalg.norm(fa, axis=1) * np.linalg.norm(fb, axis=1)), rtol=1e-12)
+  np.testing.assert_allclose(np.asarray(rel), np.linalg.norm(
+      fa - fb, axis=1) / np.linalg.norm(fb, axis=1), rtol=1e-12)
+  cos, rel = training.sensitivity_agreement(-2 * a, a)
+  np.testing.assert_allclose(np.asarray(cos), -1.0, rtol=1e-12)
+  np.testing.assert_allclose(np.asarray(rel), 3.0, rtol=1e-12)
+
+
+def test_grid_training_is_each_point_trained_alone():
+  # Two grid points (learning rate x init scale) in one program: each
+  # equals its own train_steps run (same batches), to float32 rounding.
+  points = [(3e-3, 0.03), (1e-2, 0.1)]
+  models = [training.init_model(jax.random.key(17), SPEC, depth=2, scale=s,
+                                residual=True, use_bias=False,
+                                skip_init=False, dtype=jnp.float32)
+            for _, s in points]
+  splits = [training.split(m) for m in models]
+  tx = training.optimizer(learning_rate=1.0, steps=30, warmup_steps=5)
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *(s.params for s in splits))
+  states = training.grid_init_state(stacked, tx,
+                                    learning_rates=[lr for lr, _ in points])
+  kw = dict(graphdef=splits[0].graphdef, rest=splits[0].rest, spec=SPEC,
+            batch=16, steps=30)
+  grid, grid_losses = training.train_grid_steps(states, jax.random.key(18),
+                                                tx=tx, **kw)
+  assert grid_losses.shape == (2, 30)
+  for g, ((lr, _), split) in enumerate(zip(points, splits)):
+    alone_tx = training.optimizer(learning_rate=lr, steps=30, warmup_steps=5)
+    alone, losses = training.train_steps(
+        training.init_state(split.params, alone_tx), jax.random.key(18),
+        tx=alone_tx, **kw)
+    np.testing.assert_allclose(np.asarray(grid_losses[g]), np.asarray(losses),
+                               rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(alone.params), jax.tree.leaves(grid.params)):
+      np.testing.assert_allclose(np.asarray(b[g]), np.asarray(a), rtol=1e-4,
+                                 atol=1e-6)
+  with pytest.raises(ValueError, match="learning_rates"):
+    training.grid_init_state(stacked, tx, learning_rates=[1e-3])
+
+
+def test_frozen_and_masked_blocks_stay_so_in_training():
+  # The switches in a real training run: b3 frozen (not a trainable Param,
+  # not in the optimiser), the first layer's w1 masked to zero.
+  model = training.init_model(jax.random.key(19), SPEC, depth=2,
+                              dtype=jnp.float32)
+  params = model.to_params()
+  w1_mask = jnp.ones_like(params.w1).at[0].set(0.0)
+  model = elsa.nn.ElsaStack.from_params(
+      params, frozen=("b3",),
+      mask=elsa.ElsaParams(w1=w1_mask, w2=None, w3=None, b1=None, b2=None,
+                           b3=None))
+  split = training.split(model)
+  assert "b3" not in split.params and "b3" in split.rest
+  tx = training.optimizer(learning_rate=1e-2, steps=20)
+  state, losses = training.train_steps(
+      training.init_state(split.params, tx), jax.random.key(20),
+      graphdef=split.graphdef, rest=split.rest, spec=SPEC, tx=tx, batch=16,
+      steps=20)
+  assert np.isfinite(np.asarray(losses)).all()
+  after = training.merge(split.graphdef, state.params, split.rest).to_params()
+  np.testing.assert_array_equal(np.asarray(after.b3), np.asarray(params.b3))
+  assert not np.asarray(after.w1[0]).any()
+  assert not np.allclose(np.asarray(after.w1[1]), np.asarray(params.w1[1]))
+
+
+def test_optimizer_is_adamw_with_the_warmup_cosine_schedule():
+  # The traced-learning-rate chain against optax's own adamw (clip off).
+  params = {"w": jnp.ones((3, 2), jnp.float64)}
+  grads = [{"w": jax.random.normal(jax.random.key(30 + i), (3, 2),
+                                   jnp.float64)} for i in range(6)]
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=0.01, warmup_steps=2, decay_steps=6,
+      end_value=0.01 * 0.1)
+  reference = optax.adamw(schedule, weight_decay=0.1)
+  ours = training.optimizer(learning_rate=0.01, steps=6, warmup_steps=2,
+                            end_fraction=0.1, clip_norm=None, weight_decay=0.1)
+  state_ref, state = reference.init(params), ours.init(params)
+  for g in grads:
+    want, state_ref = reference.update(g, state_ref, params)
+    got, state = ours.update(g, state, params)
+    np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]),
+                               rtol=1e-6, atol=1e-12)
+
+
+def test_query_sensitivity_matches_reverse_mode_for_interacting_queries():
+  # A random ELSA stack lets the two queries interact: the sensitivity is
+  # d (sum_q' pred_q') / d x_q, here against jax.grad of that sum.
+  model = training.init_model(jax.random.key(21), SPEC, depth=2, scale=0.3,
+                              dtype=jnp.float64)
+  task = training.sample_tasks(jax.random.key(22), SPEC, batch=3,
+                               dtype=jnp.float64)
+  predict = lambda t: training.model_predict(model, SPEC.form(), t)
+  want = jax.grad(lambda xq: jnp.sum(predict(task._replace(x_query=xq))))(
+      task.x_query)
+  got = training.query_sensitivity(predict, task)
+  assert got.shape == (3, SPEC.n_query, SPEC.d)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10,
+                             atol=1e-12)
