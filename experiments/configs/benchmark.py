@@ -5,9 +5,9 @@ Speed of the ELSA primitive, of deep stacks and of the sweep's own kernel
 
 ``--config=experiments/configs/benchmark.py:quick`` shrinks every part to
 seconds (what tests/test_benchmark_driver.py runs); ``...benchmark.py:ab``
-runs the two A/B parts instead (the sweep kernel before and after its shared
-GD basis; the layouts of ``K^T V``), about ten minutes on 2 CPU cores. Override any field, e.g.
-``--config.tokens='(1024, 4096)' --config.reps=11``. The default takes about a
+runs the A/B parts instead (the sweep kernel before and after its shared GD
+basis; the layouts of ``K^T V``), about ten minutes on 2 CPU cores. Override
+any field, e.g. ``--config.tokens='(1024, 4096)' --config.reps=11``. The default takes about a
 few minutes on 2 quiet CPU cores (float32 and float64); the same command runs
 unchanged on a GPU or TPU. With float64 in ``dtypes`` the run turns on
 ``jax_enable_x64`` and restores the previous setting after it.
