@@ -438,20 +438,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 def _per_kappa(config, wd: common.Workdir, runners: dict) -> list[dict]:
   """Every kappa's result: loaded if an earlier run saved it, else computed and saved."""
-  names = [f"partial_kappa{i}.json" for i in range(len(config.kappas))]
-  per_kappa = [wd.read_json(name) for name in names]
-  progress = common.Progress(len(names), name="algorithms", unit="kappas")
-  progress.resumed(sum(r is not None for r in per_kappa))
-  with jax.default_matmul_precision("highest"):
-    for i, kappa in enumerate(config.kappas):
-      if per_kappa[i] is not None:
-        continue
-      rng = np.random.default_rng([config.seed, i])
-      per_kappa[i] = common.finite_or_none(
-          _kappa_result(config, float(kappa), rng, runners))
-      wd.write_json(names[i], per_kappa[i])
-      progress.update()
-  return per_kappa
+  return common.per_kappa(
+      config, wd, lambda kappa, rng: _kappa_result(config, kappa, rng, runners),
+      name="algorithms")
 
 
 def run(config, workdir: str, *, overwrite: bool = False) -> dict:

@@ -691,17 +691,25 @@ def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
     _release_lock(workdir, lock)
 
 
-def prepare_workdir(workdir: str, config: ml_collections.ConfigDict, *,
-                    overwrite: bool = False,
-                    owned: Sequence[str] = ("checkpoints",)) -> None:
-  """Claims ``workdir`` as :func:`claim_workdir` does, then releases the lock.
-
-  For a driver that writes with the module-level helpers rather than through
-  a :class:`Workdir` (``experiments/train.py``, whose ``owned`` folder is
-  ``checkpoints``); such a driver holds no lock while it runs.
-  """
-  with claim_workdir(workdir, config, overwrite=overwrite, owned=owned):
-    pass
+def per_kappa(config, wd: "Workdir", compute, *, name: str) -> list[dict]:
+  """``compute(kappa, rng)`` for every ``config.kappas``, each saved as
+  ``partial_kappa<i>.json`` the moment it is done and loaded instead on a
+  rerun (tied to the config like every output); numbers non-finite as
+  ``None``. ``rng`` is ``np.random.default_rng([config.seed, i])``, so a
+  resumed kappa draws what an uninterrupted run would. Runs at the highest
+  matmul precision."""
+  names = [f"partial_kappa{i}.json" for i in range(len(config.kappas))]
+  results = [wd.read_json(n) for n in names]
+  progress = Progress(len(names), name=name, unit="kappas")
+  progress.resumed(sum(r is not None for r in results))
+  with jax.default_matmul_precision("highest"):
+    for i, kappa in enumerate(config.kappas):
+      if results[i] is None:
+        rng = np.random.default_rng([config.seed, i])
+        results[i] = finite_or_none(compute(float(kappa), rng))
+        wd.write_json(names[i], results[i])
+        progress.update()
+  return results
 
 
 # --- progress and the command line -------------------------------------------
