@@ -28,10 +28,12 @@ predictor, and the cosine similarity and relative L2 distance of
 ``d pred / d x_q`` to GD at each depth. The same models are evaluated under
 distribution shifts (``config.shifts``) with GD's in-distribution step size.
 
-Workdir: ``config.json``, ``checkpoints/<model>_L<depth>/`` (orbax, the whole
+Workdir (claimed as every driver claims it, :func:`experiments.common.claim_workdir`:
+held exclusively for the run, every output tied to the config's hash and a
+checksum): ``config.json``, ``checkpoints/<model>_L<depth>/`` (orbax, the whole
 grid every ``checkpoint_every`` steps: an interrupted run resumes from the
 last one and sees the same batches), ``results.json`` (written last) and
-``figures/``.
+``figures/``. Every config field is checked first (:func:`validate`).
 """
 
 from __future__ import annotations
@@ -75,16 +77,41 @@ def _spec(config, **shift) -> training.TaskSpec:
                            noise=config.noise, **fields)
 
 
-def _check(config) -> None:
-  unknown = set(config.models) - set(MODELS)
-  if unknown or not config.models:
-    raise common.ConfigError(f"train config: models must be a non-empty tuple "
-                             f"of {tuple(MODELS)}, got {tuple(config.models)}.")
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Every field in its range, before the workdir is touched.
+
+  Raises:
+    common.ConfigError: naming the field and the allowed range.
+  """
+  common.check_seed(config)
+  common.check_items(config, "models", choices=tuple(MODELS))
+  common.check_items(config, "depths", integer=True, low=1)
+  for field in ("n_train", "d", "components", "steps", "batch", "log_every",
+                "checkpoint_every", "keep_checkpoints", "eta_grid"):
+    common.check_int(config, field)
+  common.check_int(config, "n_query", low=1)
+  common.check_int(config, "n_test", low=2)  # a standard error needs two
+  if config.n_test % min(common.check_int(config, "eval_chunk"), config.n_test):
+    raise common.ConfigError(
+        f"config.eval_chunk must divide config.n_test ({config.n_test}) or "
+        f"exceed it, got {config.eval_chunk}.")
+  common.check_int(config, "warmup_steps", low=0, high=config.steps)
+  if config.inner is not None:
+    common.check_int(config, "inner")
+  common.check_float(config, "lam", low=0)
+  common.check_float(config, "noise", low=0)
+  if config.clip_norm is not None:
+    common.check_float(config, "clip_norm", low=0, low_open=True)
+  common.check_float(config, "x_scale", low=0, low_open=True)
+  common.check_float(config, "end_fraction", low=0, high=1)
+  common.check_float(config, "eta_min", low=0, low_open=True)
+  common.check_float(config, "eta_max", low=config.eta_min, low_open=True)
   for field in ("learning_rates", "init_scales"):
-    values = tuple(config[field])
-    if not values or any(v <= 0 for v in values):
-      raise common.ConfigError(f"train config: {field} must be a non-empty "
-                               f"tuple of positive numbers, got {values}.")
+    common.check_items(config, field, low=0, low_open=True)
+  if config.steps % config.log_every:
+    raise common.ConfigError(
+        f"config.log_every must divide config.steps ({config.steps}), got "
+        f"{config.log_every}.")
 
 
 def grid(config) -> list[tuple[float, float]]:
@@ -275,13 +302,27 @@ def _depth_evaluator(config, trained: dict, eta: float, depth: int):
   return jax.jit(evaluate)
 
 
+def _in_chunks(evaluate, task, size: int):
+  """``evaluate(task)`` over chunks of ``size`` tasks: per-task arrays
+  (losses, agreement) concatenated, per-layer means (equal chunks) averaged."""
+  n = task.x.shape[0]
+  parts = [evaluate(jax.tree.map(lambda a, i=i: a[i:i + size], task))
+           for i in range(0, n, size)]
+  losses, agree, layers = zip(*parts)
+  join = lambda *xs: np.concatenate([np.asarray(x) for x in xs])
+  mean = lambda *xs: np.mean([np.asarray(x) for x in xs], axis=0)
+  return (jax.tree.map(join, *losses), jax.tree.map(join, *agree),
+          jax.tree.map(mean, *layers))
+
+
 def _evaluate(config, evaluators: list, task, *, layers: bool = False
               ) -> dict[str, Any]:
   """Per-depth test losses (mean, se) of every model and baseline on ``task``.
 
   A model whose grid diverged at a depth gets NaN there (``null`` in JSON).
   """
-  per_depth = [evaluate(task) for evaluate in evaluators]
+  size = min(config.eval_chunk, config.n_test)
+  per_depth = [_in_chunks(evaluate, task, size) for evaluate in evaluators]
   names = [*config.models, *BASELINES]
   out = {"test_loss": {}, "test_loss_se": {}, "vs_bayes": {},
          "trained_vs_gd": {}}
@@ -322,14 +363,13 @@ def _best_etas(config, task) -> tuple[dict[int, float], dict[str, list]]:
   return best, {"etas": np.asarray(etas).tolist(), "val_loss": curves}
 
 
-def _write_figures(results: dict, workdir: str) -> None:
-  folder = os.path.join(workdir, "figures")
+def _write_figures(results: dict, wd: common.Workdir) -> None:
   for name, draw in (("train_loss", plotting.train_loss),
                      ("test_loss_vs_depth", plotting.test_loss_vs_depth),
                      ("trained_vs_gd", plotting.trained_vs_gd),
                      ("layer_predictions", plotting.layer_predictions),
                      ("shifted_test_loss", plotting.shifted_test_loss)):
-    common.save_figure(draw(results), os.path.join(folder, f"{name}.png"))
+    wd.save_figure(draw(results), f"figures/{name}.png")
 
 
 def _tasks(config, salt: int, **shift):
@@ -361,12 +401,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   Returns:
     The results dict (what ``results.json`` holds).
   """
-  _check(config)
-  common.prepare_workdir(workdir, config, overwrite=overwrite)
-  done = common.read_json(os.path.join(workdir, "results.json"))
-  if done is not None:
-    logging.info("%s: results of this config exist; nothing to do.", workdir)
-    return done
+  validate(config)
+  with common.claim_workdir(workdir, config, overwrite=overwrite,
+                            owned=("checkpoints",)) as wd:
+    done = wd.read_json("results.json")
+    if done is not None:
+      logging.info("%s: results of this config exist; nothing to do.", workdir)
+      return done
+    return _run(config, wd)
+
+
+def _run(config: ml_collections.ConfigDict, wd: common.Workdir) -> dict:
+  workdir = wd.root
   start = time.perf_counter()
   points = grid(config)
   progress = common.Progress(
@@ -414,8 +460,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   results["seconds"] = time.perf_counter() - start
   # What results.json will hold (non-finite numbers as None), returned too.
   results = common.finite_or_none(results)
-  _write_figures(results, workdir)
-  common.write_json(os.path.join(workdir, "results.json"), results)
+  _write_figures(results, wd)
+  wd.write_json("results.json", results)
   for i, depth in enumerate(config.depths):
     logging.info("L=%d: " + ", ".join(f"{k} %.4g" for k in results["test_loss"]),
                  depth, *(v[i] for v in results["test_loss"].values()))

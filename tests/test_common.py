@@ -75,7 +75,8 @@ def test_overwrite_of_the_same_config_starts_afresh(tmp_path):
 def test_outputs_without_a_config_are_refused(tmp_path):
   os.makedirs(tmp_path / "checkpoints")
   with pytest.raises(common.WorkdirInUse, match="no config.json"):
-    common.prepare_workdir(str(tmp_path), _config())
+    with common.claim_workdir(str(tmp_path), _config(), owned=("checkpoints",)):
+      pass
   # A folder of that name is nobody's until a driver declares it owned.
   with common.claim_workdir(str(tmp_path), _config()):
     pass

@@ -38,7 +38,8 @@ def _checkpoints(workdir: str, model: str = "elsa_trained_L1") -> list[str]:
 
 
 def _check_results(config, workdir: str, results: dict) -> None:
-  assert common.read_json(os.path.join(workdir, "results.json")) == results
+  # Written through the workdir contract: tied to the config, checksummed.
+  assert common.Workdir(workdir, config).read_json("results.json") == results
   losses = results["test_loss"]
   assert set(losses) == {*MODELS, *BASELINES}
   for name in (*MODELS, *BASELINES):
@@ -175,3 +176,24 @@ def test_bad_models_and_grids_are_refused(tmp_path):
   config.init_scales = ()
   with pytest.raises(common.ConfigError, match="init_scales"):
     train.run(config, str(tmp_path / "b"))
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    ("steps", 0, r"config\.steps must be an int >= 1"),
+    ("log_every", 0, r"config\.log_every must be an int >= 1"),
+    ("log_every", 7, r"config\.log_every must divide config\.steps"),
+    ("checkpoint_every", 0, r"config\.checkpoint_every must be an int >= 1"),
+    ("n_test", 1, r"config\.n_test must be an int >= 2"),
+    ("noise", float("nan"), r"config\.noise must be a finite number >= 0"),
+    ("learning_rates", (1e-2, -1.0), r"config\.learning_rates\[1\] must be"),
+    ("models", ("gpt",), r"config\.models\[0\] must be one of"),
+    ("depths", (), r"config\.depths must be a non-empty tuple"),
+])
+def test_bad_config_is_refused_before_the_workdir_is_touched(
+    tmp_path, field, value, pattern):
+  config = _config()
+  config[field] = value
+  workdir = tmp_path / "run"
+  with pytest.raises(common.ConfigError, match=pattern):
+    train.run(config, str(workdir))
+  assert not workdir.exists()
