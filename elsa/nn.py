@@ -226,8 +226,10 @@ class ElsaStack(_ElsaBlock):
   def random(cls, rngs: nnx.Rngs, *, m: int, n: int, k: int, components: int,
              depth: int, tied: bool = False, scale: float | None = None,
              bias_scale: float | None = None, dtype=None, **switches):
-    # switches: residual, use_bias, frozen, mask.
-    """Random normal parameters with leaves ``[depth (1 if tied), components, ...]``."""
+    """Random normal parameters with leaves ``[depth (1 if tied), components, ...]``.
+
+    ``switches``: ``residual``, ``use_bias``, ``frozen``, ``mask``.
+    """
     lead = (1 if tied else depth, components)
     params = ElsaParams.init(rngs.params(), m=m, n=n, k=k, lead=lead,
                              scale=scale, bias_scale=bias_scale,
