@@ -262,7 +262,7 @@ def _per_kappa(config, wd: common.Workdir) -> list[dict]:
 
 
 def run(config, workdir: str, *, overwrite: bool = False) -> dict:
-  """Runs the sweep into ``workdir`` and returns the results dict.
+  """Runs the layers-vs-kappa experiment in ``workdir``; returns the results.
 
   Checks the config, claims the workdir (``overwrite`` first deletes what an
   earlier newton run wrote there), then skips the work if ``results.json``
