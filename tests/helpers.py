@@ -1,10 +1,14 @@
-"""What the test files share: the two relative errors they measure exactness with.
+"""What the test files share: the two relative errors they measure exactness
+with, and a recorder for driver runs.
 
 Pytrees are compared with :func:`chex.assert_trees_all_close`, compile counts
 checked with :func:`chex.assert_max_traces`.
 """
 
+import matplotlib
 import numpy as np
+
+from experiments import common
 
 
 def rel_err(got, want) -> float:
@@ -27,3 +31,20 @@ def rel_norm(got, want) -> float:
   assert got.shape == want.shape, (got.shape, want.shape)
   err = np.linalg.norm(got - want)
   return float(err / np.linalg.norm(want)) if err else 0.0
+
+
+def record_driver_run(monkeypatch, resumed: list) -> None:
+  """Appends every ``common.Progress.resumed`` count of a driver run to
+  ``resumed``, and fails the run if it switches matplotlib's backend (a
+  driver draws its figures without pyplot state)."""
+
+  class Progress(common.Progress):
+    def resumed(self, count):
+      resumed.append(count)
+      super().resumed(count)
+
+  def no_backend_switch(*args, **kwargs):
+    raise AssertionError("the plot must not switch matplotlib's backend")
+
+  monkeypatch.setattr(common, "Progress", Progress)
+  monkeypatch.setattr(matplotlib, "use", no_backend_switch)

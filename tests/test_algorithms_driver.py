@@ -5,7 +5,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 from matplotlib.figure import Figure
 import matplotlib.pyplot as plt
 import numpy as np
@@ -16,6 +15,7 @@ from elsa import algorithms as algorithms_lib
 from elsa import programs
 from experiments import algorithms as driver
 from experiments import common
+import helpers
 from experiments.configs import algorithms as algorithms_config
 
 SAVED = ("layers_to_tol", "layers_to_tol_float32", "interpreter_layers_to_tol",
@@ -45,18 +45,9 @@ def _spy(monkeypatch):
     return real_runners(config, on_trace=lambda: seen.__setitem__(
         "traces", seen["traces"] + 1))
 
-  class Progress(common.Progress):
-    def resumed(self, count):
-      seen["resumed"].append(count)
-      super().resumed(count)
-
-  def no_backend_switch(*args, **kwargs):
-    raise AssertionError("the plot must not switch matplotlib's backend")
-
   monkeypatch.setattr(driver, "_kappa_result", kappa_result)
   monkeypatch.setattr(driver, "make_runners", make_runners)
-  monkeypatch.setattr(common, "Progress", Progress)
-  monkeypatch.setattr(matplotlib, "use", no_backend_switch)
+  helpers.record_driver_run(monkeypatch, seen["resumed"])
   return seen
 
 

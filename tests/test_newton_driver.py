@@ -4,12 +4,12 @@ import json
 import os
 
 import jax
-import matplotlib
 from matplotlib.figure import Figure
 import matplotlib.pyplot as plt
 import pytest
 
 from experiments import common
+import helpers
 from experiments import newton
 from experiments.configs import newton as newton_config
 
@@ -46,18 +46,9 @@ def _spy(monkeypatch, *, nan_at=None):
       return decode(*arrays)
     return recorded
 
-  class Progress(common.Progress):
-    def resumed(self, count):
-      seen["resumed"].append(count)
-      super().resumed(count)
-
-  def no_backend_switch(*args, **kwargs):
-    raise AssertionError("the plot must not switch matplotlib's backend")
-
   monkeypatch.setattr(newton, "_kappa_result", kappa_result)
   monkeypatch.setattr(newton, "newton_decoder", decoder)
-  monkeypatch.setattr(common, "Progress", Progress)
-  monkeypatch.setattr(matplotlib, "use", no_backend_switch)
+  helpers.record_driver_run(monkeypatch, seen["resumed"])
   return seen
 
 
