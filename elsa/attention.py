@@ -144,13 +144,43 @@ def _check(p: ElsaParams, h: Array, *, lead: tuple[str, ...], fn: str,
           f"{jnp.shape(leaf)}.")
 
 
+def _key_mask(key_mask, h: Array, fn: str) -> tuple[Array, Array | None]:
+  """Checks ``key_mask [..., m]`` against ``h [..., m, n]``; returns both
+  broadcast to their common batch axes, the mask in the dtype of ``h``
+  (``None`` stays ``None``)."""
+  if key_mask is None:
+    return h, None
+  dtype = jnp.result_type(key_mask)
+  if dtype != jnp.bool_ and dtype != jnp.result_type(h):
+    raise TypeError(f"{fn}: key_mask must be bool or have the dtype of h "
+                    f"({jnp.result_type(h)}), got {dtype}.")
+  m = jnp.shape(h)[-2]
+  shape = jnp.shape(key_mask)
+  if len(shape) < 1 or shape[-1] != m:
+    raise ValueError(f"{fn}: key_mask must have shape [..., m] with m={m} "
+                     f"(the tokens of h {jnp.shape(h)}), got shape {shape}.")
+  try:
+    batch = jnp.broadcast_shapes(jnp.shape(h)[:-2], shape[:-1])
+  except ValueError:
+    raise ValueError(f"{fn}: the batch axes of key_mask {shape} (all but the "
+                     f"last) must broadcast with those of h {jnp.shape(h)} "
+                     "(all but the last 2).") from None
+  h = jnp.broadcast_to(h, (*batch, *jnp.shape(h)[-2:]))
+  return h, jnp.broadcast_to(key_mask, (*batch, m)).astype(h.dtype)
+
+
+def _masked(keys: Array, key_mask: Array | None) -> Array:
+  """``diag(mask) K``: the keys ``[..., m, k]`` of masked-out tokens set to 0."""
+  return keys if key_mask is None else keys * key_mask[..., None]
+
+
 def _attend(q: Array, k: Array, v: Array, precision) -> Array:
   """``q @ (k^T @ v)`` over the last two axes, never forming ``q @ k^T``."""
   kv = jnp.einsum("...mk,...mv->...kv", k, v, precision=precision)
   return jnp.einsum("...mk,...kv->...mv", q, kv, precision=precision)
 
 
-def _elsa(p: ElsaParams, h: Array, precision) -> Array:
+def _elsa(p: ElsaParams, h: Array, precision, key_mask=None) -> Array:
   """``(h W3 + B3) S`` as ``h (W3 S) + B3 S`` with ``S = K^T V``.
 
   The re-association never materialises ``Q = h W3 + B3``: one fewer
@@ -158,18 +188,27 @@ def _elsa(p: ElsaParams, h: Array, precision) -> Array:
   the same FLOPs up to the ``[n, k] @ [k, v]`` product ``W3 S``.
   """
   mm = lambda a, b: jnp.matmul(a, b, precision=precision)
-  kv = jnp.einsum("...mk,...mv->...kv", mm(h, p.w1) + p.b1,
+  kv = jnp.einsum("...mk,...mv->...kv", _masked(mm(h, p.w1) + p.b1, key_mask),
                   mm(h, p.w2) + p.b2, precision=precision)
   return mm(h, mm(p.w3, kv)) + mm(p.b3, kv)
 
 
-def elsa(p: ElsaParams, h: Array, *, precision=None) -> Array:
+def elsa(p: ElsaParams, h: Array, *, key_mask=None, precision=None
+         ) -> Array:
   r"""One ELSA component: :math:`(hW_3 + B_3)(hW_1 + B_1)^\top(hW_2 + B_2)`.
 
   Args:
     p: parameters of one component, ``w1, w3: [n, k]``, ``w2: [n, v]``,
       ``b1, b3: [m, k]``, ``b2: [m, v]``.
     h: input tokens ``[..., m, n]``; leading axes are batch and broadcast.
+    key_mask: ``None`` (every token enters the key/value sum) or ``[..., m]``,
+      bool or in the dtype of ``h``: the sum becomes
+      :math:`K^\top \mathrm{diag}(\mathrm{mask})\, V`, so a token with mask
+      0 reads (its query row is computed) but is not read. Excluding the
+      query tokens is the masked LSA of von Oswald et al. (2023) and Ahn et
+      al. (2023); no bias can do it, since ``diag(mask) (h W1 + B1)`` is not
+      affine in ``h`` with a fixed ``W1``. Leading axes broadcast with those
+      of ``h``.
     precision: passed to every matmul (``jax.lax.Precision``). At the
       default, float32 matmuls on TPU and Ampere-or-newer GPUs run in
       bfloat16/TF32; on TPU and Ampere-or-newer GPUs use
@@ -189,10 +228,12 @@ def elsa(p: ElsaParams, h: Array, *, precision=None) -> Array:
     (5, 3)
   """
   _check(p, h, lead=(), fn="elsa")
-  return _elsa(p, h, precision)
+  h, key_mask = _key_mask(key_mask, h, "elsa")
+  return _elsa(p, h, precision, key_mask)
 
 
-def lsa(p: ElsaParams, h: Array, *, precision=None) -> Array:
+def lsa(p: ElsaParams, h: Array, *, key_mask=None, precision=None
+        ) -> Array:
   r"""Linear self-attention, the bias-free baseline: :math:`(hW_3)(hW_1)^\top(hW_2)`.
 
   Takes the same ``p`` as :func:`elsa` and ignores its biases: they are
@@ -202,14 +243,17 @@ def lsa(p: ElsaParams, h: Array, *, precision=None) -> Array:
   Args:
     p: as for :func:`elsa`; ``b1, b2, b3`` are not used (any shape).
     h: ``[..., m, n]``.
+    key_mask: as for :func:`elsa`.
     precision: passed to every matmul.
 
   Returns:
     ``[..., m, v]``.
   """
   _check(p, h, lead=(), fn="lsa", names=("w1", "w2", "w3"))
+  h, key_mask = _key_mask(key_mask, h, "lsa")
   mm = lambda a, b: jnp.matmul(a, b, precision=precision)
-  return _attend(mm(h, p.w3), mm(h, p.w1), mm(h, p.w2), precision)
+  return _attend(mm(h, p.w3), _masked(mm(h, p.w1), key_mask), mm(h, p.w2),
+                 precision)
 
 
 # Per-item K^T V at most this many multiply-adds (m k v) keeps tokens before
@@ -244,7 +288,7 @@ def _small_token_contraction(keys: Array, values: Array, precision,
 
 
 def _layer(p: ElsaParams, h: Array, precision, coeffs=None,
-           small_layout: str | None = None) -> Array:
+           small_layout: str | None = None, key_mask=None) -> Array:
   """``sum_c elsa(p_c, h) diag(a_c)`` as ``h (sum_c W3_c S_c) + sum_c B3_c S_c``,
   ``S_c = K_c^T V_c diag(a_c)``; ``a_c = 1`` when ``coeffs`` is ``None``.
 
@@ -252,7 +296,8 @@ def _layer(p: ElsaParams, h: Array, precision, coeffs=None,
   one ``[m, n] @ [n, v]`` product per layer instead of one per component.
   ``coeffs``: ``None`` or ``[*batch, C, v]`` (or ``[*batch, C, 1]``) with
   ``batch`` the batch axes of ``h``; it scales the smallest per-item piece,
-  ``S_c: [k, v]``.
+  ``S_c: [k, v]``. ``key_mask``: ``None`` or ``[*batch, m]`` in the dtype of
+  ``h`` (:func:`elsa`).
 
   Two layouts of the same sums: small items (``m k v`` up to
   ``_SMALL_CONTRACTION``) keep tokens before components, ``[..., m, C, k]``,
@@ -265,13 +310,16 @@ def _layer(p: ElsaParams, h: Array, precision, coeffs=None,
   if m * k * v <= _SMALL_CONTRACTION:
     # [C, m, .] -> [m, C, .] lines up with [..., m, C, .].
     keys = ein("...mn,cnk->...mck", h, p.w1) + jnp.moveaxis(p.b1, 0, 1)
+    if key_mask is not None:
+      keys = keys * key_mask[..., None, None]
     values = ein("...mn,cnv->...mcv", h, p.w2) + jnp.moveaxis(p.b2, 0, 1)
     s = _small_token_contraction(keys, values, precision, small_layout)
   else:
     # Biases [C, m, .] line up with [C, ..., m, .] as [C, 1.., m, .].
     per_component = lambda b: b.reshape(b.shape[:1] + (1,) * (jnp.ndim(h) - 2)
                                         + b.shape[1:])
-    keys = ein("...mn,cnk->c...mk", h, p.w1) + per_component(p.b1)
+    keys = _masked(ein("...mn,cnk->c...mk", h, p.w1) + per_component(p.b1),
+                   key_mask)
     values = ein("...mn,cnv->c...mv", h, p.w2) + per_component(p.b2)
     s = jnp.moveaxis(ein("c...mk,c...mv->c...kv", keys, values), 0, -3)
   if coeffs is not None:
@@ -330,8 +378,8 @@ def _coefficients(coeffs, p: ElsaParams, h: Array, *, lead: tuple[str, ...],
                          list(layer_axes))
 
 
-def elsa_layer(p: ElsaParams, h: Array, *, coeffs=None, precision=None
-               ) -> Array:
+def elsa_layer(p: ElsaParams, h: Array, *, coeffs=None, key_mask=None,
+               precision=None) -> Array:
   r"""One ELSA layer: the sum of ``C`` components, :math:`\sum_c \mathrm{elsa}(p_c, h)\, \mathrm{diag}(a_c)`.
 
   There is no implicit residual: a skip connection is itself a component
@@ -348,6 +396,8 @@ def elsa_layer(p: ElsaParams, h: Array, *, coeffs=None, precision=None
       strength): the projections run once over all items as one matmul, and
       ``a_c`` scales ``S_c = K_c^\top V_c``, which is exact
       (:math:`Q K^\top V \mathrm{diag}(a) = Q (K^\top V \mathrm{diag}(a))`).
+    key_mask: ``None`` or ``[..., m]``: the tokens that enter every
+      component's key/value sum (see :func:`elsa`).
     precision: passed to every matmul.
 
   Returns:
@@ -361,11 +411,14 @@ def elsa_layer(p: ElsaParams, h: Array, *, coeffs=None, precision=None
   _check(p, h, lead=("C",), fn="elsa_layer")
   _check_square(p, h, "elsa_layer")
   h, coeffs = _coefficients(coeffs, p, h, lead=("C",), fn="elsa_layer")
-  return _layer(p, h, precision, coeffs)
+  h, key_mask = _key_mask(key_mask, h, "elsa_layer")
+  if key_mask is not None and coeffs is not None:
+    coeffs = jnp.broadcast_to(coeffs, (*h.shape[:-2], *coeffs.shape[-2:]))
+  return _layer(p, h, precision, coeffs, key_mask=key_mask)
 
 
 def elsa_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
-               coeffs=None, precision=None) -> Array:
+               coeffs=None, key_mask=None, precision=None) -> Array:
   """``L`` ELSA layers applied in order by ``lax.scan`` (compile time flat in ``L``).
 
   Args:
@@ -378,6 +431,8 @@ def elsa_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
       runtime scalars in ``coeffs`` (e.g.
       :meth:`elsa.forms.GDForm.gd_basis` and ``gd_coefficients``), a batch
       of items with different scalars shares one ``p``.
+    key_mask: ``None`` or ``[..., m]``: the tokens that enter the key/value
+      sums of every layer (see :func:`elsa`).
     precision: passed to every matmul.
 
   Returns:
@@ -393,10 +448,15 @@ def elsa_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
   _check(p, h, lead=("L", "C"), fn="elsa_stack")
   _check_square(p, h, "elsa_stack")
   h, coeffs = _coefficients(coeffs, p, h, lead=("L", "C"), fn="elsa_stack")
+  h, key_mask = _key_mask(key_mask, h, "elsa_stack")
+  if key_mask is not None and coeffs is not None:
+    coeffs = jnp.broadcast_to(coeffs, (coeffs.shape[0], *h.shape[:-2],
+                                       *coeffs.shape[-2:]))
 
   def step(state, layer):
     layer_params, layer_coeffs = layer
-    new = _layer(layer_params, state, precision, layer_coeffs)
+    new = _layer(layer_params, state, precision, layer_coeffs,
+                 key_mask=key_mask)
     return new, (new if return_all else None)
 
   last, states = jax.lax.scan(step, h, (p, coeffs))

@@ -162,9 +162,9 @@ class Elsa(_ElsaBlock):
                                bias_scale=bias_scale, dtype=float_dtype(dtype)),
                **switches)
 
-  def __call__(self, h: Array) -> Array:
-    """``h [..., m, n] -> [..., m, v]``."""
-    return self._pure()(self.to_params(), h)
+  def __call__(self, h: Array, *, key_mask=None) -> Array:
+    """``h [..., m, n] -> [..., m, v]``; ``key_mask [..., m]`` as for :func:`elsa.elsa`."""
+    return self._pure()(self.to_params(), h, key_mask=key_mask)
 
 
 class ElsaLayer(_ElsaBlock):
@@ -184,9 +184,9 @@ class ElsaLayer(_ElsaBlock):
                                scale=scale, bias_scale=bias_scale,
                                dtype=float_dtype(dtype)), **switches)
 
-  def __call__(self, h: Array) -> Array:
-    """``h [..., m, n] -> [..., m, n]``."""
-    return self._pure()(self.to_params(), h)
+  def __call__(self, h: Array, *, key_mask=None) -> Array:
+    """``h [..., m, n] -> [..., m, n]``; ``key_mask [..., m]`` as for :func:`elsa.elsa`."""
+    return self._pure()(self.to_params(), h, key_mask=key_mask)
 
 
 class ElsaStack(_ElsaBlock):
@@ -244,13 +244,16 @@ class ElsaStack(_ElsaBlock):
     return jax.tree.map(
         lambda a: jnp.broadcast_to(a, (self.depth, *a.shape[1:])), held)
 
-  def __call__(self, h: Array, *, return_all: bool = False) -> Array:
-    """``h [..., m, n] -> [..., m, n]``, or all states ``[L + 1, ..., m, n]``."""
-    return self._pure()(self.to_params(), h, return_all=return_all)
+  def __call__(self, h: Array, *, return_all: bool = False,
+               key_mask=None) -> Array:
+    """``h [..., m, n] -> [..., m, n]``, or all states ``[L + 1, ..., m, n]``;
+    ``key_mask [..., m]``: the tokens of every key/value sum (:func:`elsa.elsa`)."""
+    return self._pure()(self.to_params(), h, return_all=return_all,
+                        key_mask=key_mask)
 
 
 def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
-                   precision=None) -> Array:
+                   key_mask=None, precision=None) -> Array:
   r"""``L`` ELSA layers with a residual stream: :math:`h_t = h_{t-1} + \sum_c \mathrm{elsa}(p_{t,c}, h_{t-1})`.
 
   The LSA of von Oswald et al. (2023) and Ahn et al. (2023) when the biases
@@ -263,6 +266,9 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
     p: leaves ``[L, C, ...]`` with ``v == n``, as for :func:`elsa.elsa_stack`.
     h: ``[..., m, n]``, the state before the first layer.
     return_all: if true, return every state ``h_0 = h, h_1, ..., h_L``.
+    key_mask: ``None`` or ``[..., m]``, the tokens that enter the key/value
+      sums (:func:`elsa.elsa`); the query tokens left out, this is the LSA of
+      von Oswald et al. (their ``include_query=False``).
     precision: passed to every matmul.
 
   Returns:
@@ -271,8 +277,13 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
   Raises:
     ValueError, TypeError: as :func:`elsa.elsa_stack` (its checks, run here).
   """
-  jax.eval_shape(functools.partial(elsa_stack, precision=precision), p,
-                 jax.ShapeDtypeStruct(jnp.shape(h), jnp.result_type(h)))
+  abstract = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+  # elsa_stack's checks, and the state's shape once key_mask's batch axes
+  # have broadcast with those of h (the scan's carry keeps it).
+  out = jax.eval_shape(functools.partial(elsa_stack, precision=precision), p,
+                       abstract(h), key_mask=(None if key_mask is None
+                                              else abstract(key_mask)))
+  h = jnp.broadcast_to(h, out.shape)
 
   def step(state, layer_params):
     # sum_c elsa(p_c, h) with elsa_layer's formula, but the components through
@@ -280,7 +291,8 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
     # runs 15x faster than that of elsa_layer's fused multiply-and-sum for
     # small m k v (BUILD_NOTES, "Training"; equal up to rounding).
     per_component = jax.vmap(
-        lambda p_c: elsa(p_c, state, precision=precision))(layer_params)
+        lambda p_c: elsa(p_c, state, key_mask=key_mask, precision=precision)
+    )(layer_params)
     new = state + jnp.sum(per_component, axis=0)
     return new, (new if return_all else None)
 

@@ -17,15 +17,22 @@ F32_RTOL = 5e-6
 F64_RTOL = 1e-12
 
 
-def np_elsa(p, h, *, bias=True):
-  """Left-to-right numpy reference, through the [m, m] attention matrix."""
+def np_elsa(p, h, *, bias=True, mask=None):
+  """Left-to-right numpy reference, through the [m, m] attention matrix.
+
+  ``mask [..., m]``: column ``j`` of the attention matrix weighted by
+  ``mask[j]`` (a 0/1 mask drops token ``j`` from the key/value sum).
+  """
   p = [np.asarray(a, np.float64) for a in p]
   w1, w2, w3, b1, b2, b3 = p
   if not bias:
     b1, b2, b3 = 0.0, 0.0, 0.0
   h = np.asarray(h, np.float64)
   q, k, v = h @ w3 + b3, h @ w1 + b1, h @ w2 + b2
-  return (q @ np.swapaxes(k, -1, -2)) @ v
+  attention = q @ np.swapaxes(k, -1, -2)
+  if mask is not None:
+    attention = attention * np.asarray(mask, np.float64)[..., None, :]
+  return attention @ v
 
 
 def random_params(rng, m, n, k, v, dtype, lead=()):
@@ -92,17 +99,19 @@ def test_grad_matches_finite_differences():
     assert abs(fd - analytic) <= 1e-7 * max(1.0, abs(analytic)), name
 
 
-def np_stack(ps, h, coeffs=None):
+def np_stack(ps, h, coeffs=None, mask=None):
   """Every state of a stack, by explicit loops over layers and components.
 
-  ``coeffs [..., L, C, v or 1]`` scales the output columns of each component.
+  ``coeffs [..., L, C, v or 1]`` scales the output columns of each component;
+  ``mask [..., m]`` as for :func:`np_elsa`.
   """
   L, C = ps.w1.shape[:2]
   states = [np.asarray(h, np.float64)]
   for layer in range(L):
     total = 0
     for c in range(C):
-      out = np_elsa(ElsaParams(*(a[layer, c] for a in ps)), states[-1])
+      out = np_elsa(ElsaParams(*(a[layer, c] for a in ps)), states[-1],
+                    mask=mask)
       if coeffs is not None:
         out = out * np.asarray(coeffs, np.float64)[..., layer, c, None, :]
       total = total + out
@@ -420,3 +429,77 @@ def test_small_token_contraction_layouts_agree_with_numpy(dtype, bound):
   got = elsa.elsa_stack(jax.tree.map(lambda a: a.astype(dtype), ps),
                         jnp.asarray(h, dtype))
   assert got.dtype == dtype and rel_err(got, states[-1]) < 10 * bound
+
+
+# --- key_mask: tokens that read but are not read --------------------------------
+
+
+@pytest.mark.parametrize("batch,m,n,k,v", SHAPES)
+def test_key_mask_drops_tokens_from_the_key_value_sum(batch, m, n, k, v,
+                                                      variant):
+  rng = np.random.default_rng(abs(hash(("mask", batch, m, n, k, v))) % 2**32)
+  p = random_params(rng, m, n, k, v, jnp.float64)
+  h = jnp.asarray(rng.normal(size=(*batch, m, n)))
+  # One mask per item, and one mask broadcast over the items.
+  for mask in (rng.random((*batch, m)) < 0.6, rng.random(m) < 0.6):
+    # Reference: the dropped tokens' rows removed from K and V outright.
+    keep = np.broadcast_to(mask, (*batch, m)).reshape(-1, m)
+    hs = np.asarray(h).reshape(-1, m, n)
+    want = []
+    for item, kept in zip(hs, keep):
+      q = item @ np.asarray(p.w3) + np.asarray(p.b3)
+      kv = lambda w, b: (item @ np.asarray(w) + np.asarray(b))[kept]
+      want.append(q @ (kv(p.w1, p.b1).T @ kv(p.w2, p.b2)))
+    want = np.reshape(want, (*batch, m, v))
+    got = variant(lambda p, h, mask: elsa.elsa(p, h, key_mask=mask))(
+        p, h, jnp.asarray(mask))
+    assert got.shape == (*batch, m, v)
+    assert rel_err(got, want) < F64_RTOL
+    no_bias = p._replace(b1=0 * p.b1, b2=0 * p.b2, b3=0 * p.b3)
+    assert rel_err(elsa.lsa(p, h, key_mask=mask),
+                   elsa.elsa(no_bias, h, key_mask=mask)) < F64_RTOL
+  # A weighted mask weights the tokens: K^T diag(mask) V.
+  weights = jnp.asarray(rng.normal(size=m))
+  assert rel_err(elsa.elsa(p, h, key_mask=weights),
+                 np_elsa(p, h, mask=weights)) < F64_RTOL
+
+
+@pytest.mark.parametrize("L,C,m,n,k,scale", LAYER_SHAPES)
+def test_key_mask_in_layers_stacks_and_the_residual_stack(L, C, m, n, k,
+                                                          scale):
+  rng, ps = _stack_case(L, C, m, n, k, scale, seed=7)
+  h = jnp.asarray(rng.normal(size=(2, m, n)))
+  mask = jnp.asarray(rng.random((2, m)) < 0.5)
+  coeffs = jnp.asarray(rng.normal(size=(2, L, C, n)))
+  states = np_stack(ps, h, coeffs, mask=mask)
+  one = ElsaParams(*(a[0] for a in ps))
+  assert rel_err(elsa.elsa_layer(one, h, coeffs=coeffs[:, 0], key_mask=mask),
+                 states[1]) < F64_RTOL
+  all_states = jax.jit(elsa.elsa_stack, static_argnames="return_all")(
+      ps, h, return_all=True, coeffs=coeffs, key_mask=mask)
+  for t in range(L + 1):
+    assert rel_err(all_states[t], states[t]) < 1e-11
+  # One mask [m] for items [2, m, n] that broadcast against it.
+  assert rel_err(elsa.elsa_stack(ps, h, key_mask=mask[0]),
+                 np_stack(ps, h, mask=mask[0])[-1]) < 1e-11
+  # The residual stream: h_t = h_{t-1} + sum_c elsa(p_c, h_{t-1}; mask).
+  want = np.asarray(h)
+  for layer in range(L):
+    want = want + sum(np_elsa(ElsaParams(*(a[layer, c] for a in ps)), want,
+                              mask=mask) for c in range(C))
+  assert rel_err(elsa.nn.residual_stack(ps, h, key_mask=mask), want) < 1e-11
+  assert rel_err(elsa.nn.ElsaStack.from_params(ps, residual=True)(
+      h, key_mask=mask), want) < 1e-11
+
+
+@pytest.mark.parametrize("mask,error,pattern", [
+    (np.ones(4, bool), ValueError, r"elsa: key_mask must have shape \[\.\.\., m\] with m=5"),
+    (np.ones((3, 5), bool), ValueError, r"batch axes of key_mask \(3, 5\)"),
+    (np.ones(5, np.float64), TypeError, r"key_mask must be bool or have the dtype of h \(float32\)"),
+    (np.ones(5, np.int32), TypeError, r"key_mask must be bool .* got int32"),
+])
+def test_bad_key_mask_raises(mask, error, pattern):
+  p, h = _good()
+  h = jnp.broadcast_to(h, (2, *h.shape))
+  with pytest.raises(error, match=pattern):
+    elsa.elsa(p, h, key_mask=mask)
