@@ -19,11 +19,13 @@ learning", arXiv:2503.23814 (2025).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from elsa import _validate
 # The library's default dtype; elsa.attention.float_dtype is kept for callers.
@@ -463,3 +465,157 @@ def elsa_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
   if not return_all:
     return last
   return jnp.concatenate([h[None], states], axis=0)
+
+
+# --- a stack with its exact-zero work removed ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrunedStack:
+  r"""A stack of concrete parameters with the work its zeros do taken out.
+
+  Built by :func:`prune`; ``pruned(h, coeffs=a)`` equals
+  ``elsa_stack(p, h, coeffs=a)`` for finite ``h``. Layer ``t`` is
+
+  .. math::
+    h \Big(\sum_{c \in K} G_{tc} \mathrm{diag}(a_{tc})
+           + \sum_{c \in D} W'_{3,tc} S'_{tc} \mathrm{diag}(a'_{tc})\Big)
+    + \sum_{c \in K} E_{tc} \mathrm{diag}(a_{tc})
+    + \sum_{c \in D} B'_{3,tc} S'_{tc} \mathrm{diag}(a'_{tc}),
+
+  where the components ``K`` whose ``W1`` and ``W2`` are zero in every layer
+  have an input-independent ``S = B1^T B2``, folded once into ``G = W3 S``
+  and ``E = B3 S``; the others, ``D``, keep only the inner columns whose key
+  and query parts are not both zero and the value columns whose ``W2`` or
+  ``B2`` is not zero (``S'`` and ``a'`` on those columns, placed back among
+  the ``v`` columns). Dropped terms are exact zeros, so only the order of the
+  remaining sums changes.
+
+  Not a pytree: close over it (its index arrays are static), do not pass it
+  through ``jit``.
+
+  Fields (all arrays concrete):
+    dynamic: ``ElsaParams`` of the components ``D``, leaves ``[L, |D|, ...]``
+      with inner width ``k'`` and value width ``v'``.
+    dynamic_index: ``[|D|]``, their indices among the ``C`` components.
+    value_cols: ``[v']``, the kept value columns among ``v``.
+    constant_index: ``[|K|]``, the indices of the components ``K``.
+    g: ``[L, |K|, n, v]``; e: ``[L, |K|, m, v]``.
+  """
+
+  dynamic: ElsaParams
+  dynamic_index: np.ndarray
+  value_cols: np.ndarray
+  constant_index: np.ndarray
+  g: Array
+  e: Array
+
+  @property
+  def layers(self):
+    """The per-layer arrays (leading axis ``L``), for ``lax.scan`` with :meth:`layer`."""
+    return (self.dynamic, self.g, self.e)
+
+  def layer(self, layer, h: Array, coeffs: Array | None = None,
+            precision=None) -> Array:
+    """Layer ``t`` on ``h [..., m, n]``: ``layer`` is ``self.layers`` at ``t``,
+    ``coeffs`` ``None`` or ``[..., C, v or 1]`` (that layer's, as for
+    :func:`elsa_layer`, broadcast with ``h`` already)."""
+    dynamic, g, e = layer
+    ein = functools.partial(jnp.einsum, precision=precision)
+    v = g.shape[-1]
+    if coeffs is None:
+      coeffs = jnp.ones((*jnp.shape(h)[:-2], len(self.dynamic_index)
+                         + len(self.constant_index), 1), h.dtype)
+    # Per-column coefficients of the constant and the dynamic components.
+    a_const = jnp.broadcast_to(coeffs[..., self.constant_index, :],
+                               (*coeffs.shape[:-2], len(self.constant_index), v))
+    a_dyn = coeffs[..., self.dynamic_index, :]
+    if a_dyn.shape[-1] != 1:
+      a_dyn = a_dyn[..., self.value_cols]
+    weight = ein("cnv,...cv->...nv", g, a_const)
+    bias = ein("cmv,...cv->...mv", e, a_const)
+    if len(self.dynamic_index) and len(self.value_cols):
+      keys = (ein("...mn,cnk->...mck", h, dynamic.w1)
+              + jnp.moveaxis(dynamic.b1, 0, 1))
+      values = (ein("...mn,cnv->...mcv", h, dynamic.w2)
+                + jnp.moveaxis(dynamic.b2, 0, 1))
+      s = _small_token_contraction(keys, values, precision) * a_dyn[..., None, :]
+      weight = weight.at[..., self.value_cols].add(
+          ein("cnk,...ckv->...nv", dynamic.w3, s))
+      bias = bias.at[..., self.value_cols].add(
+          ein("cmk,...ckv->...mv", dynamic.b3, s))
+    return ein("...mn,...nv->...mv", h, weight) + bias
+
+  def __call__(self, h: Array, *, coeffs=None, return_all: bool = False,
+               precision=None) -> Array:
+    """As :func:`elsa_stack` (``h [..., m, n]``, ``coeffs [..., L, C, v or 1]``)."""
+    layers = self.layers
+    m, n = self.e.shape[-2], self.g.shape[-2]
+    if jnp.shape(h)[-2:] != (m, n):
+      raise ValueError(f"PrunedStack: h must have shape [..., {m}, {n}], got "
+                       f"{jnp.shape(h)}.")
+    _validate.same_dtype("PrunedStack", "h", h, "the parameters", self.g)
+    if coeffs is not None:
+      full = ElsaParams.zeros(m=m, n=n, k=1, v=self.g.shape[-1], lead=(
+          self.g.shape[0], len(self.dynamic_index) + len(self.constant_index)),
+          dtype=self.g.dtype)
+      h, coeffs = _coefficients(coeffs, full, h, lead=("L", "C"),
+                                fn="PrunedStack")
+
+    def step(state, layer):
+      layer_arrays, layer_coeffs = layer
+      new = self.layer(layer_arrays, state, layer_coeffs, precision)
+      return new, (new if return_all else None)
+
+    last, states = jax.lax.scan(step, h, (layers, coeffs))
+    if not return_all:
+      return last
+    return jnp.concatenate([h[None], states], axis=0)
+
+
+def prune(p: ElsaParams) -> PrunedStack:
+  """``p`` (concrete, leaves ``[L, C, ...]``, ``v == n``) as a :class:`PrunedStack`.
+
+  Constructed stacks are sparse: a skip component's keys and values do not
+  depend on ``h`` (``W1 = W2 = 0``), a gradient head writes one column and
+  reads a few. :func:`elsa_stack` multiplies those zeros for every item;
+  the pruned stack computes the same layers without them, which is what a
+  sweep over many items with one shared basis wants (``coeffs`` carry the
+  items' scalars).
+
+  Raises:
+    TypeError: a leaf is traced (prune outside ``jit``, then close over the
+      result) or not floating.
+    ValueError: shapes as for :func:`elsa_stack`.
+  """
+  if any(isinstance(leaf, jax.core.Tracer) for leaf in p):
+    raise TypeError("prune: p must be concrete (call prune outside jit and "
+                    "close over the PrunedStack); got a traced leaf.")
+  m, n = p.b1.shape[-2], p.w1.shape[-2]
+  h = jnp.zeros((m, n), jnp.result_type(p.w1))
+  _check(p, h, lead=("L", "C"), fn="prune")
+  _check_square(p, h, "prune")
+  nz = lambda a, axes: np.any(np.asarray(a) != 0, axis=axes)
+  # [C]: components whose keys or values read h in some layer.
+  reads_h = nz(p.w1, (0, 2, 3)) | nz(p.w2, (0, 2, 3))
+  dynamic_index = np.flatnonzero(reads_h)
+  constant_index = np.flatnonzero(~reads_h)
+  sub = lambda index: ElsaParams(*(a[:, index] for a in p))
+  dyn, const = sub(dynamic_index), sub(constant_index)
+  # Inner columns with a nonzero key part and a nonzero query part; value
+  # columns with a nonzero value part (over every layer and component of D).
+  inner = ((nz(dyn.w1, (0, 1, 2)) | nz(dyn.b1, (0, 1, 2)))
+           & (nz(dyn.w3, (0, 1, 2)) | nz(dyn.b3, (0, 1, 2))))
+  value_cols = np.flatnonzero(nz(dyn.w2, (0, 1, 2)) | nz(dyn.b2, (0, 1, 2)))
+  inner_cols = np.flatnonzero(inner)
+  dyn = dyn._replace(w1=dyn.w1[..., inner_cols], w3=dyn.w3[..., inner_cols],
+                     b1=dyn.b1[..., inner_cols], b3=dyn.b3[..., inner_cols],
+                     w2=dyn.w2[..., value_cols], b2=dyn.b2[..., value_cols])
+  highest = functools.partial(jnp.einsum, precision="highest")
+  s = highest("lcmk,lcmv->lckv", const.b1, const.b2)
+  return PrunedStack(
+      dynamic=ElsaParams(*(jnp.asarray(a) for a in dyn)),
+      dynamic_index=dynamic_index, value_cols=value_cols,
+      constant_index=constant_index,
+      g=highest("lcnk,lckv->lcnv", const.w3, s),
+      e=highest("lcmk,lckv->lcmv", const.b3, s))

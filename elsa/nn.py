@@ -30,6 +30,10 @@ Structural choices are switches, not code paths:
 * ``mask``: an ``ElsaParams`` of 0/1 arrays (broadcast to the leaves, or
   ``None`` per leaf); masked entries are multiplied by zero in every call and
   in the export, so they are structurally zero and get zero gradient.
+* ``key_mask``: ``[m]`` (or ``[..., m]``), the tokens that enter the
+  key/value sums (:func:`elsa.elsa`); e.g. the examples only, so the queries
+  read but are not read (von Oswald et al.'s ``include_query=False``). A
+  ``key_mask`` given at the call replaces it.
 
 Round trip: ``ElsaStack.from_params(p)(h) == elsa.elsa_stack(p, h)`` and
 ``ElsaStack.from_params(p).to_params() == p`` (bitwise), and likewise for the
@@ -41,7 +45,6 @@ shapes or dtypes fail at construction with that function's message.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-import functools
 
 from flax import nnx
 import jax
@@ -59,7 +62,8 @@ class Frozen(nnx.Variable):
 
 
 class Mask(nnx.Variable):
-  """A 0/1 structural mask multiplied into a parameter block (never trained)."""
+  """A 0/1 structural mask (never trained): multiplied into a parameter block,
+  or the tokens of the key/value sums (``key_mask``)."""
 
 
 class _ElsaBlock(nnx.Module):
@@ -72,7 +76,8 @@ class _ElsaBlock(nnx.Module):
     raise NotImplementedError
 
   def __init__(self, params: ElsaParams, *, use_bias: bool = True,
-               frozen: Iterable[str] = (), mask: ElsaParams | None = None):
+               frozen: Iterable[str] = (), mask: ElsaParams | None = None,
+               key_mask=None):
     if not isinstance(params, ElsaParams):
       raise TypeError(f"{type(self).__name__}: params must be an ElsaParams, "
                       f"got {type(params).__name__}.")
@@ -89,10 +94,12 @@ class _ElsaBlock(nnx.Module):
                        f"are not leaves of ElsaParams {ElsaParams._fields}.")
     self.use_bias = use_bias
     self.frozen = frozen
-    _check_leaves(self._pure(), params)
+    self._dtype = jnp.result_type(params.w1)
+    if key_mask is not None:
+      self.key_mask = Mask(jnp.asarray(key_mask, self._dtype))
+    _check_leaves(self._pure(), params, self._key_mask())
     # A tuple, not a dict: static attributes must hash (jit static args).
     self._shapes = tuple(tuple(jnp.shape(leaf)) for leaf in params)
-    self._dtype = jnp.result_type(params.w1)
     for name, leaf in zip(ElsaParams._fields, params):
       if name in _BIASES and not use_bias:
         continue
@@ -110,6 +117,12 @@ class _ElsaBlock(nnx.Module):
               f"does not broadcast to params.{name} of shape "
               f"{self._shape(name)}.") from None
         setattr(self, f"mask_{name}", Mask(leaf))
+
+  def _key_mask(self, key_mask=None):
+    """The call's ``key_mask``, else the held one, else ``None``."""
+    if key_mask is not None or not hasattr(self, "key_mask"):
+      return key_mask
+    return self.key_mask[...]
 
   def _shape(self, name: str) -> tuple[int, ...]:
     return self._shapes[ElsaParams._fields.index(name)]
@@ -141,7 +154,7 @@ class Elsa(_ElsaBlock):
   Args:
     params: leaves ``w1, w3: [n, k]``, ``w2: [n, v]``, ``b1, b3: [m, k]``,
       ``b2: [m, v]``.
-    use_bias, frozen, mask: switches, see the module docstring.
+    use_bias, frozen, mask, key_mask: switches, see the module docstring.
   """
 
   lead_axes = ()
@@ -164,7 +177,8 @@ class Elsa(_ElsaBlock):
 
   def __call__(self, h: Array, *, key_mask=None) -> Array:
     """``h [..., m, n] -> [..., m, v]``; ``key_mask [..., m]`` as for :func:`elsa.elsa`."""
-    return self._pure()(self.to_params(), h, key_mask=key_mask)
+    return self._pure()(self.to_params(), h,
+                        key_mask=self._key_mask(key_mask))
 
 
 class ElsaLayer(_ElsaBlock):
@@ -186,7 +200,8 @@ class ElsaLayer(_ElsaBlock):
 
   def __call__(self, h: Array, *, key_mask=None) -> Array:
     """``h [..., m, n] -> [..., m, n]``; ``key_mask [..., m]`` as for :func:`elsa.elsa`."""
-    return self._pure()(self.to_params(), h, key_mask=key_mask)
+    return self._pure()(self.to_params(), h,
+                        key_mask=self._key_mask(key_mask))
 
 
 class ElsaStack(_ElsaBlock):
@@ -200,7 +215,7 @@ class ElsaStack(_ElsaBlock):
     tied: loop one layer's parameters ``depth`` times.
     depth: number of layers when ``tied`` (default: ``L`` of ``params``).
     residual: every layer adds its output to the state (a residual stream).
-    use_bias, frozen, mask: switches, see the module docstring. With ``tied``
+    use_bias, frozen, mask, key_mask: switches, see the module docstring. With ``tied``
       the masks broadcast against the held ``[1, C, ...]`` leaves.
   """
 
@@ -228,7 +243,8 @@ class ElsaStack(_ElsaBlock):
              bias_scale: float | None = None, dtype=None, **switches):
     """Random normal parameters with leaves ``[depth (1 if tied), components, ...]``.
 
-    ``switches``: ``residual``, ``use_bias``, ``frozen``, ``mask``.
+    ``switches``: ``residual``, ``use_bias``, ``frozen``, ``mask``,
+    ``key_mask``.
     """
     lead = (1 if tied else depth, components)
     params = ElsaParams.init(rngs.params(), m=m, n=n, k=k, lead=lead,
@@ -249,7 +265,7 @@ class ElsaStack(_ElsaBlock):
     """``h [..., m, n] -> [..., m, n]``, or all states ``[L + 1, ..., m, n]``;
     ``key_mask [..., m]``: the tokens of every key/value sum (:func:`elsa.elsa`)."""
     return self._pure()(self.to_params(), h, return_all=return_all,
-                        key_mask=key_mask)
+                        key_mask=self._key_mask(key_mask))
 
 
 def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
@@ -280,9 +296,9 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
   abstract = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
   # elsa_stack's checks, and the state's shape once key_mask's batch axes
   # have broadcast with those of h (the scan's carry keeps it).
-  out = jax.eval_shape(functools.partial(elsa_stack, precision=precision), p,
-                       abstract(h), key_mask=(None if key_mask is None
-                                              else abstract(key_mask)))
+  out = jax.eval_shape(
+      lambda p, h, mask: elsa_stack(p, h, key_mask=mask, precision=precision),
+      p, abstract(h), None if key_mask is None else abstract(key_mask))
   h = jnp.broadcast_to(h, out.shape)
 
   def step(state, layer_params):
@@ -303,7 +319,7 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
 
 
 def _check_leaves(fn: Callable[[ElsaParams, Array], Array],
-                  params: ElsaParams) -> None:
+                  params: ElsaParams, key_mask=None) -> None:
   """Runs ``fn``'s own checks on abstract ``params`` and ``h [m, n]`` (no compute).
 
   ``m`` and ``n`` are read from ``b1`` and ``w1``; any other leaf that does
@@ -313,7 +329,9 @@ def _check_leaves(fn: Callable[[ElsaParams, Array], Array],
   abstract = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
   h = jax.ShapeDtypeStruct((params.b1.shape[-2], params.w1.shape[-2]),
                            jnp.result_type(params.w1))
-  jax.eval_shape(fn, jax.tree.map(abstract, params), h)
+  jax.eval_shape(lambda p, h, mask: fn(p, h, key_mask=mask),
+                 jax.tree.map(abstract, params), h,
+                 None if key_mask is None else abstract(key_mask))
 
 
 def _first_layer(params: ElsaParams) -> ElsaParams:

@@ -48,6 +48,7 @@ from elsa import constructions, forms, nn, ridge
 from elsa.attention import Array, ElsaParams, float_dtype
 
 X_DISTRIBUTIONS = ("normal", "laplace", "exponential", "uniform")
+TOKENS = ("natural", "concatenated")
 # E[z^2] of one standardised input coordinate z (before covariance and
 # x_scale): 1 for the centred ones, mean^2 + variance = 2 for exponential.
 _X_SECOND_MOMENT = {"normal": 1.0, "laplace": 1.0, "exponential": 2.0,
@@ -70,6 +71,9 @@ class TaskSpec:
       ``x_scale = 12 ** -0.5`` gives von Oswald et al.'s ``U(-1/2, 1/2)``).
     x_skew: input covariance ``diag(c_j)``, ``c_j`` proportional to
       ``(j + 1) ** -x_skew`` and normalised to trace ``d``; 0 is isotropic.
+    tokens: the trained models' token layout: ``'natural'``
+      (:class:`elsa.forms.Natural`, also the constructed ELSA-GD stack's) or
+      ``'concatenated'`` (:class:`ConcatenatedTokens`, von Oswald et al.'s).
     noise_labels: if true, the CONTEXT labels are replaced by independent
       normal noise with the clean labels' variance ``E[(x^T w_true +
       noise)^2] = w_scale^2 x_scale^2 mu_2 sum_j c_j + noise^2``, ``mu_2 =
@@ -89,15 +93,26 @@ class TaskSpec:
   x_dist: str = "normal"
   x_skew: float = 0.0
   noise_labels: bool = False
+  tokens: str = "natural"
 
   def __post_init__(self):
     if self.x_dist not in X_DISTRIBUTIONS:
       raise ValueError(f"TaskSpec: x_dist must be one of {X_DISTRIBUTIONS}, "
                        f"got {self.x_dist!r}.")
+    if self.tokens not in TOKENS:
+      raise ValueError(f"TaskSpec: tokens must be one of {TOKENS}, got "
+                       f"{self.tokens!r}.")
 
   def form(self) -> forms.Natural:
     """The natural token form of these tasks (scalar targets)."""
     return forms.Natural(n_train=self.n_train, d=self.d, n_query=self.n_query)
+
+  def model_tokens(self) -> forms.Natural | ConcatenatedTokens:
+    """The trained models' tokens (``encode``, ``decode_pred``, ``m``, ``n``)."""
+    if self.tokens == "natural":
+      return self.form()
+    return ConcatenatedTokens(n_train=self.n_train, d=self.d,
+                              n_query=self.n_query)
 
   def x_cov_diag(self, dtype=None) -> Array:
     """The diagonal of the input covariance before ``x_scale``, ``[d]``.
@@ -108,6 +123,40 @@ class TaskSpec:
     dtype = float_dtype(dtype)
     c = (jnp.arange(self.d, dtype=dtype) + 1) ** -jnp.asarray(self.x_skew, dtype)
     return c * self.d / c.sum()
+
+
+@dataclasses.dataclass(frozen=True)
+class ConcatenatedTokens:
+  """Von Oswald et al.'s tokens: ``(x_i, y_i)`` per example, then ``(x_q, 0)`` per query.
+
+  ``m = N + Q`` rows, ``n = d + 1`` columns (``x``, then ``y``). The
+  prediction for query ``q`` is minus its ``y`` entry after the last layer
+  (their readout: GD moves ``y_q`` from 0 to ``-x_q^T w``). No GD
+  construction here: these tokens are for trained models.
+  """
+
+  n_train: int
+  d: int
+  n_query: int = 1
+
+  @property
+  def m(self) -> int:
+    return self.n_train + self.n_query
+
+  @property
+  def n(self) -> int:
+    return self.d + 1
+
+  def encode(self, x: Array, y: Array, *, x_query: Array) -> Array:
+    """``x [..., N, d]``, ``y [..., N]``, ``x_query [..., Q, d]`` -> ``[..., m, n]``."""
+    rows = lambda xs, ys: jnp.concatenate([xs, ys[..., None]], axis=-1)
+    return jnp.concatenate(
+        [rows(x, y), rows(x_query, jnp.zeros(x_query.shape[:-1], x.dtype))],
+        axis=-2)
+
+  def decode_pred(self, h: Array) -> Array:
+    """``h [..., m, n]`` -> predictions ``[..., Q]``."""
+    return -h[..., self.n_train:, self.d]
 
 
 def sample_tasks(key: Array, spec: TaskSpec, *, batch: int,
@@ -152,7 +201,8 @@ def sample_tasks(key: Array, spec: TaskSpec, *, batch: int,
 
 def init_model(key: Array, spec: TaskSpec, *, depth: int, components: int = 3,
                inner: int | None = None, use_bias: bool = True,
-               tied: bool = False, residual: bool = False, scale: float = 0.1,
+               tied: bool = False, residual: bool = False,
+               context_only: bool = False, scale: float = 0.1,
                bias_scale: float | None = None, skip_init: bool = True,
                dtype=None) -> nn.ElsaStack:
   """A stack for the natural tokens of ``spec``: leaves ``[depth, components, ...]``.
@@ -167,6 +217,10 @@ def init_model(key: Array, spec: TaskSpec, *, depth: int, components: int = 3,
     residual: every layer adds to the state, ``h <- h + layer(h)``
       (:func:`elsa.nn.residual_stack`; with ``use_bias=False`` the LSA of von
       Oswald et al. 2023).
+    context_only: only the ``N`` example tokens enter the key/value sums
+      (``key_mask``, :func:`elsa.elsa`); the queries and w-rows read but are
+      not read. With ``residual`` and no biases, the masked LSA of von
+      Oswald et al. (``include_query=False``) and Ahn et al. (2023).
     scale, bias_scale: standard deviations of the random weights and biases.
     skip_init: start component 0 of every layer at the exact skip ``h -> h``
       (:func:`elsa.constructions.linear` with ``P = I``, needs biases and
@@ -176,7 +230,7 @@ def init_model(key: Array, spec: TaskSpec, *, depth: int, components: int = 3,
       (float32, or float64 under ``jax_enable_x64``).
   """
   dtype = float_dtype(dtype)
-  form = spec.form()
+  form = spec.model_tokens()
   m, n = form.m, form.n
   inner = n if inner is None else inner
   params = ElsaParams.init(key, m=m, n=n, k=inner, lead=(1 if tied else depth,
@@ -189,8 +243,9 @@ def init_model(key: Array, spec: TaskSpec, *, depth: int, components: int = 3,
     skip = constructions.pad_inner(constructions.identity(m, n, dtype=dtype),
                                    inner)
     params = jax.tree.map(lambda p, s: p.at[:, 0].set(s), params, skip)
+  key_mask = (jnp.arange(m) < spec.n_train) if context_only else None
   return nn.ElsaStack(params, tied=tied, depth=depth, use_bias=use_bias,
-                      residual=residual)
+                      residual=residual, key_mask=key_mask)
 
 
 # --- the model as a pure function ----------------------------------------------
@@ -214,8 +269,8 @@ def merge(graphdef, params: nnx.State, rest: nnx.State) -> nn.ElsaStack:
   return nnx.merge(graphdef, params, rest)
 
 
-def model_predict(model: Callable[[Array], Array], form: forms.GDForm,
-                  task: ridge.Task) -> Array:
+def model_predict(model: Callable[[Array], Array], form, task: ridge.Task
+                  ) -> Array:
   """A token model's query predictions ``[B, Q]``: decode_pred(model(encode(task)))."""
   h0 = form.encode(task.x, task.y, x_query=task.x_query)
   return form.decode_pred(model(h0))
@@ -227,14 +282,14 @@ def mse(pred: Array, task: ridge.Task) -> Array:
 
 
 def loss(params: nnx.State, task: ridge.Task, *, graphdef, rest: nnx.State,
-         form: forms.GDForm) -> Array:
+         form) -> Array:
   """The training loss: MSE over tasks and queries (a scalar)."""
   model = merge(graphdef, params, rest)
   return jnp.mean(mse(model_predict(model, form, task), task))
 
 
 def grid_loss(params: nnx.State, task: ridge.Task, *, graphdef,
-              rest: nnx.State, form: forms.GDForm) -> Array:
+              rest: nnx.State, form) -> Array:
   """Per-task MSE ``[G, B]`` of ``G`` models, ``params`` stacked on axis 0."""
   per_model = lambda p: mse(model_predict(merge(graphdef, p, rest), form,
                                           task), task)
@@ -325,7 +380,8 @@ def train_step(state: TrainState, key: Array, *, graphdef, rest: nnx.State,
   task = sample_tasks(jax.random.fold_in(key, state.step), spec, batch=batch,
                       dtype=dtype)
   value, grads = jax.value_and_grad(loss)(state.params, task, graphdef=graphdef,
-                                          rest=rest, form=spec.form())
+                                          rest=rest,
+                                          form=spec.model_tokens())
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   return TrainState(params, opt_state, state.step + 1), value
@@ -436,8 +492,7 @@ def gd_step_predictions(task: ridge.Task, *, lam, eta, steps: int) -> Array:
   return jnp.einsum("bqd,tbd->tbq", task.x_query, w)
 
 
-def layer_predictions(model: nn.ElsaStack, form: forms.GDForm,
-                      task: ridge.Task) -> Array:
+def layer_predictions(model: nn.ElsaStack, form, task: ridge.Task) -> Array:
   """The query prediction slot decoded after every layer: ``[L + 1, B, Q]``.
 
   Row ``t`` is ``form.decode_pred`` of the state after layer ``t`` (row 0 is

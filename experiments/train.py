@@ -6,9 +6,11 @@ For every depth ``L`` in ``config.depths`` it trains each model of
 * ``elsa_trained``: ELSA (biases on), no residual; component 0 of every layer
   starts at the exact skip (``config.skip_init``);
 * ``lsa_trained``: the same stack without biases (plain LSA);
-* ``lsa_residual_trained``: LSA with the residual stream
-  ``h <- h + sum_c lsa(p_c, h)`` (von Oswald et al. 2023), ``elsa.nn``'s
-  ``residual=True``.
+* ``lsa_residual_trained``: the LSA the field studies (von Oswald et al.
+  2023, Ahn et al. 2023, Zhang et al. 2023): the residual stream
+  ``h <- h + sum_c lsa(p_c, h)`` (``elsa.nn``'s ``residual=True``) with only
+  the example tokens in the key/value sums (``key_mask``: the queries read
+  but are not read).
 
 Tuning is the same for every model: each trains at every point of one grid
 ``config.learning_rates x config.init_scales`` (the grid runs as one compiled
@@ -58,9 +60,12 @@ from experiments import common
 from experiments import plotting
 
 # name -> switches of training.init_model.
-MODELS = {"elsa_trained": dict(use_bias=True, residual=False),
-          "lsa_trained": dict(use_bias=False, residual=False),
-          "lsa_residual_trained": dict(use_bias=False, residual=True)}
+MODELS = {"elsa_trained": dict(use_bias=True, residual=False,
+                               context_only=False),
+          "lsa_trained": dict(use_bias=False, residual=False,
+                              context_only=False),
+          "lsa_residual_trained": dict(use_bias=False, residual=True,
+                                       context_only=True)}
 BASELINES = ("bayes_optimal", "gd_best_eta", "elsa_constructed_gd", "ridge",
              "least_squares", "zero")
 # Models, training batches and test tasks alike (also under jax_enable_x64).
@@ -74,7 +79,7 @@ def _spec(config, **shift) -> training.TaskSpec:
             "x_scale": config.x_scale * shift.get("x_scale", 1.0)}
   return training.TaskSpec(n_train=config.n_train, d=config.d,
                            n_query=config.n_query, lam=config.lam,
-                           noise=config.noise, **fields)
+                           noise=config.noise, tokens=config.tokens, **fields)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -85,6 +90,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """
   common.check_seed(config)
   common.check_items(config, "models", choices=tuple(MODELS))
+  if config.tokens not in training.TOKENS:
+    raise common.ConfigError(f"config.tokens must be one of {training.TOKENS}, "
+                             f"got {config.tokens!r}.")
   common.check_items(config, "depths", integer=True, low=1)
   for field in ("n_train", "d", "components", "steps", "batch", "log_every",
                 "checkpoint_every", "keep_checkpoints", "eta_grid"):
@@ -225,7 +233,8 @@ def _pick(split: training.Split, index: int) -> training.Split:
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _grid_val_loss(params, rest, task, *, graphdef, spec):
   return jnp.mean(training.grid_loss(params, task, graphdef=graphdef,
-                                     rest=rest, form=spec.form()), axis=-1)
+                                     rest=rest, form=spec.model_tokens()),
+                  axis=-1)
 
 
 def _select(config, split: training.Split, losses: np.ndarray, task
@@ -262,7 +271,7 @@ def _depth_evaluator(config, trained: dict, eta: float, depth: int):
   Bayes predictor keeps the in-distribution prior.
   """
   spec = _spec(config)
-  form = spec.form()
+  form = spec.model_tokens()
 
   def evaluate(task):
     gd = lambda t: training.gd_predict(t, lam=spec.lam, eta=eta, steps=depth)

@@ -339,3 +339,46 @@ def test_query_sensitivity_matches_reverse_mode_for_interacting_queries():
   assert got.shape == (3, SPEC.n_query, SPEC.d)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10,
                              atol=1e-12)
+
+
+@pytest.mark.parametrize("n_train,d,n_query,depth", [(8, 3, 1, 1), (6, 4, 3, 5),
+                                                     (3, 5, 2, 4)])
+def test_masked_residual_lsa_on_concatenated_tokens_is_gd(n_train, d, n_query,
+                                                          depth):
+  # Von Oswald et al.'s Proposition 1, exact: with queries and keys reading x
+  # and the value writing -eta/N y into the y column, each masked residual
+  # LSA layer is one GD step on the unregularised loss (the y entries hold
+  # the residuals y_i - x_i^T w_t, the query's -x_q^T w_t).
+  spec = training.TaskSpec(n_train=n_train, d=d, n_query=n_query, lam=0.0,
+                           tokens="concatenated")
+  tokens = spec.model_tokens()
+  assert (tokens.m, tokens.n) == (n_train + n_query, d + 1)
+  task = training.sample_tasks(jax.random.key(20), spec, batch=3,
+                               dtype=jnp.float64)
+  eta = 0.3
+  x_part = np.diag(np.r_[np.ones(d), 0.0])
+  value = np.zeros((d + 1, d + 1))
+  value[d, d] = -eta / n_train
+  one = elsa.ElsaParams.zeros(m=tokens.m, n=tokens.n, k=tokens.n,
+                              lead=(depth, 1), dtype=jnp.float64)
+  params = one._replace(w1=one.w1 + x_part, w3=one.w3 + x_part,
+                        w2=one.w2 + value)
+  model = training.init_model(jax.random.key(0), spec, depth=depth,
+                              components=1, use_bias=False, residual=True,
+                              context_only=True, skip_init=False,
+                              dtype=jnp.float64)
+  np.testing.assert_array_equal(np.asarray(model.key_mask[...]),
+                                np.arange(tokens.m) < n_train)
+  masked = elsa.nn.ElsaStack.from_params(params, use_bias=False, residual=True,
+                                         key_mask=model.key_mask[...])
+  got = training.layer_predictions(masked, tokens, task)
+  want = training.gd_step_predictions(task, lam=0.0, eta=eta, steps=depth)
+  assert got.shape == want.shape == (depth + 1, 3, n_query)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10,
+                             atol=1e-12)
+  # Without the mask the queries' y entries enter the sum from layer 2 on.
+  unmasked = elsa.nn.ElsaStack.from_params(params, use_bias=False,
+                                           residual=True)
+  off = np.abs(np.asarray(training.layer_predictions(unmasked, tokens, task))
+               - np.asarray(want)).max()
+  assert (off > 1e-3) == (depth > 1)

@@ -14,8 +14,9 @@ Variants (``--config=experiments/configs/train.py:NAME``):
   default's time).
 * ``vonoswald``: von Oswald et al. (2023)'s default task as their code draws
   it (d = 10, N = 10, one query, x ~ U(-1/2, 1/2)^d, w ~ N(0, I), no noise;
-  batch 2048, 5000 constant-rate Adam steps at 1e-3, weights tied across
-  layers), LSA with the residual only, depths 1, 2, 3. Their loss is
+  their tokens (x_i, y_i) and (x_q, 0); batch 2048, 5000 constant-rate Adam
+  steps at 1e-3, weights tied across layers), LSA with the residual only,
+  depths 1, 2, 3. Their loss is
   0.5 x MSE; results.json holds MSE (halve it to compare).
 
 Override any field, e.g. ``--config.depths='(1, 2, 4, 8)' --config.steps=4000``.
@@ -39,6 +40,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.noise = 0.3
   config.x_scale = 1.0
   config.x_dist = "normal"
+  # The trained models' tokens: "natural" (elsa.forms.Natural, as the
+  # constructed ELSA-GD stack) or "concatenated" (von Oswald et al.'s).
+  config.tokens = "natural"
   # Models (names of experiments.train.MODELS), each trained at every depth.
   config.models = ("elsa_trained", "lsa_trained", "lsa_residual_trained")
   config.depths = (1, 2, 4)
@@ -111,6 +115,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.noise = 0.0
     config.x_scale = 12 ** -0.5  # unit-variance uniform -> U(-1/2, 1/2)
     config.x_dist = "uniform"
+    config.tokens = "concatenated"
     config.models = ("lsa_residual_trained",)
     config.depths = (1, 2, 3)
     config.components = 1  # one head
