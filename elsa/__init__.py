@@ -5,8 +5,9 @@ learning", arXiv:2503.23814 (2025).
 """
 
 from elsa import constructions, forms, nn, ridge, training
-from elsa.attention import ElsaParams, elsa, elsa_layer, elsa_stack, lsa
+from elsa.attention import (ElsaParams, PrunedStack, elsa, elsa_layer,
+                            elsa_stack, lsa, prune)
 
-__all__ = ["ElsaParams", "constructions", "elsa", "elsa_layer", "elsa_stack",
-           "forms", "lsa", "nn", "ridge", "training"]
+__all__ = ["ElsaParams", "PrunedStack", "constructions", "elsa", "elsa_layer",
+           "elsa_stack", "forms", "lsa", "nn", "prune", "ridge", "training"]
 __version__ = "0.1.0"

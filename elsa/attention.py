@@ -471,105 +471,165 @@ def elsa_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class _Segment:
+  """Layers ``[start, stop)`` of a :class:`PrunedStack`, which share one zero pattern.
+
+  ``dynamic``: ``(c, inner, value)`` per component whose keys or values read
+  ``h``: its index and its kept inner and value columns (numpy ints). The
+  other components with a nonzero output have keys and values that do not
+  read ``h``: ``skips`` (indices) are scaled skips (``G`` diagonal, ``E =
+  0``), ``constant`` the rest. ``arrays``: the per-layer arrays, leading axis
+  ``stop - start``: one pruned ``ElsaParams`` per dynamic component, the
+  skips' diagonals ``[Cs, n]``, then ``G [Cc, n, v]`` and ``E [Cc, m, v]``.
+  """
+
+  start: int
+  stop: int
+  dynamic: tuple[tuple[int, np.ndarray, np.ndarray], ...]
+  skips: np.ndarray
+  constant: np.ndarray
+  arrays: tuple
+
+
+def _prune_segment(p: ElsaParams, start: int, stop: int) -> _Segment:
+  """:class:`_Segment` of layers ``[start, stop)`` of concrete ``p``."""
+  p = ElsaParams(*(np.asarray(a[start:stop]) for a in p))
+  nz = lambda a, axes: np.any(a != 0, axis=axes)
+  dynamic, dynamic_arrays = [], []
+  constant = []
+  for c in range(p.w1.shape[1]):
+    q = ElsaParams(*(a[:, c] for a in p))  # leaves [layers, ...]
+    if not (nz(q.w1, None) or nz(q.w2, None)):
+      constant.append(c)
+      continue
+    # Inner columns with a key part and a query part; value columns with a
+    # value part (over every layer of the segment).
+    inner = np.flatnonzero((nz(q.w1, (0, 1)) | nz(q.b1, (0, 1)))
+                           & (nz(q.w3, (0, 1)) | nz(q.b3, (0, 1))))
+    value = np.flatnonzero(nz(q.w2, (0, 1)) | nz(q.b2, (0, 1)))
+    if inner.size and value.size:
+      dynamic.append((c, inner, value))
+      dynamic_arrays.append(ElsaParams(
+          w1=q.w1[..., inner], w2=q.w2[..., value], w3=q.w3[..., inner],
+          b1=q.b1[..., inner], b2=q.b2[..., value], b3=q.b3[..., inner]))
+  highest = functools.partial(jnp.einsum, precision="highest")
+  const = ElsaParams(*(a[:, constant] for a in p))
+  s = highest("lcmk,lcmv->lckv", const.b1, const.b2)  # S = B1^T B2
+  g = np.asarray(highest("lcnk,lckv->lcnv", const.w3, s))
+  e = np.asarray(highest("lcmk,lckv->lcmv", const.b3, s))
+  constant = np.asarray(constant, int)
+  kept = nz(g, (0, 2, 3)) | nz(e, (0, 2, 3))
+  off_diagonal = g * (1 - np.eye(g.shape[-2], dtype=g.dtype))
+  skip = kept & ~nz(e, (0, 2, 3)) & ~nz(off_diagonal, (0, 2, 3))
+  general = kept & ~skip
+  return _Segment(start, stop, tuple(dynamic), constant[skip],
+                  constant[general],
+                  tuple(jax.tree.map(jnp.asarray, dynamic_arrays))
+                  + (jnp.asarray(np.diagonal(g[:, skip], axis1=-2, axis2=-1)),
+                     jnp.asarray(g[:, general]), jnp.asarray(e[:, general])))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class PrunedStack:
   r"""A stack of concrete parameters with the work its zeros do taken out.
 
   Built by :func:`prune`; ``pruned(h, coeffs=a)`` equals
-  ``elsa_stack(p, h, coeffs=a)`` for finite ``h``. Layer ``t`` is
+  ``elsa_stack(p, h, coeffs=a)`` for finite ``h`` (the dropped terms are
+  exact zeros; only the order of the sums that remain changes). The layers
+  are cut into runs that share one zero pattern; in each run, a component
+  whose ``W1`` and ``W2`` are zero has keys and values that do not read
+  ``h``: its :math:`S = B_1^\top B_2` is folded once into :math:`G = W_3 S`
+  and :math:`E = B_3 S`, and a component that is a scaled skip (``G``
+  diagonal, ``E = 0``) costs one elementwise product. Every other component
+  keeps only its inner columns with both a key and a query part and its
+  value columns with a value part (a gradient head reads ``d`` columns and
+  writes one).
 
-  .. math::
-    h \Big(\sum_{c \in K} G_{tc} \mathrm{diag}(a_{tc})
-           + \sum_{c \in D} W'_{3,tc} S'_{tc} \mathrm{diag}(a'_{tc})\Big)
-    + \sum_{c \in K} E_{tc} \mathrm{diag}(a_{tc})
-    + \sum_{c \in D} B'_{3,tc} S'_{tc} \mathrm{diag}(a'_{tc}),
-
-  where the components ``K`` whose ``W1`` and ``W2`` are zero in every layer
-  have an input-independent ``S = B1^T B2``, folded once into ``G = W3 S``
-  and ``E = B3 S``; the others, ``D``, keep only the inner columns whose key
-  and query parts are not both zero and the value columns whose ``W2`` or
-  ``B2`` is not zero (``S'`` and ``a'`` on those columns, placed back among
-  the ``v`` columns). Dropped terms are exact zeros, so only the order of the
-  remaining sums changes.
-
-  Not a pytree: close over it (its index arrays are static), do not pass it
-  through ``jit``.
-
-  Fields (all arrays concrete):
-    dynamic: ``ElsaParams`` of the components ``D``, leaves ``[L, |D|, ...]``
-      with inner width ``k'`` and value width ``v'``.
-    dynamic_index: ``[|D|]``, their indices among the ``C`` components.
-    value_cols: ``[v']``, the kept value columns among ``v``.
-    constant_index: ``[|K|]``, the indices of the components ``K``.
-    g: ``[L, |K|, n, v]``; e: ``[L, |K|, m, v]``.
+  Not a pytree: close over it (its index arrays are static) rather than
+  passing it through ``jit``.
   """
 
-  dynamic: ElsaParams
-  dynamic_index: np.ndarray
-  value_cols: np.ndarray
-  constant_index: np.ndarray
-  g: Array
-  e: Array
+  segments: tuple[_Segment, ...]
+  m: int
+  n: int
+  components: int
+  dtype: jnp.dtype
 
   @property
-  def layers(self):
-    """The per-layer arrays (leading axis ``L``), for ``lax.scan`` with :meth:`layer`."""
-    return (self.dynamic, self.g, self.e)
+  def depth(self) -> int:
+    return self.segments[-1].stop
 
-  def layer(self, layer, h: Array, coeffs: Array | None = None,
-            precision=None) -> Array:
-    """Layer ``t`` on ``h [..., m, n]``: ``layer`` is ``self.layers`` at ``t``,
-    ``coeffs`` ``None`` or ``[..., C, v or 1]`` (that layer's, as for
-    :func:`elsa_layer`, broadcast with ``h`` already)."""
-    dynamic, g, e = layer
+  def _layer(self, segment: _Segment, arrays, h: Array, coeffs: Array,
+             precision) -> Array:
+    """One layer of ``segment`` on ``h [..., m, n]``; ``coeffs [..., C, v or 1]``."""
     ein = functools.partial(jnp.einsum, precision=precision)
-    v = g.shape[-1]
+    a = coeffs
+    per_column = lambda index: jnp.broadcast_to(
+        a[..., index, :], (*a.shape[:-2], len(index), self.n))
+    diag, g, e = arrays[len(segment.dynamic):]
+    out = jnp.zeros(jnp.shape(h), h.dtype)
+    if len(segment.skips):
+      out = h * ein("cn,...cn->...n", diag, per_column(segment.skips))[
+          ..., None, :]
+    if len(segment.constant):
+      a_const = per_column(segment.constant)
+      out = out + (ein("...mn,...nv->...mv", h,
+                       ein("cnv,...cv->...nv", g, a_const))
+                   + ein("cmv,...cv->...mv", e, a_const))
+    for (c, _, value), q in zip(segment.dynamic, arrays):
+      keys = ein("...mn,nk->...mk", h, q.w1) + q.b1
+      values = ein("...mn,nv->...mv", h, q.w2) + q.b2
+      # A dot, as every product here (the multiply-and-sum of elsa_layer's
+      # small items is 2.3x slower at these widths; BUILD_NOTES, "The sweep
+      # kernel").
+      s = ein("...mk,...mv->...kv", keys, values)
+      a_c = a[..., c, :] if a.shape[-1] == 1 else a[..., c, value]
+      s = s * a_c[..., None, :]
+      out = out.at[..., value].add(ein("...mn,...nv->...mv", h, q.w3 @ s)
+                                   + ein("mk,...kv->...mv", q.b3, s))
+    return out
+
+  def scan(self, f, h: Array, *, coeffs=None, precision=None):
+    """``lax.scan`` over the layers: ``(h_L, stacked f(h_t) for t = 1..L)``.
+
+    ``h [..., m, n]``; ``coeffs`` ``None`` or ``[..., L, C, v or 1]`` as for
+    :func:`elsa_stack`; ``f`` maps a state to what is kept of it (a pytree).
+    """
+    fn = "PrunedStack"
+    if jnp.shape(h)[-2:] != (self.m, self.n):
+      raise ValueError(f"{fn}: h must have shape [..., {self.m}, {self.n}], "
+                       f"got {jnp.shape(h)}.")
+    _validate.floating(fn, "h", h)
+    if jnp.result_type(h) != self.dtype:
+      raise TypeError(f"{fn}: h has dtype {jnp.result_type(h)} but the "
+                      f"parameters have dtype {self.dtype}; cast one of them "
+                      "explicitly.")
     if coeffs is None:
-      coeffs = jnp.ones((*jnp.shape(h)[:-2], len(self.dynamic_index)
-                         + len(self.constant_index), 1), h.dtype)
-    # Per-column coefficients of the constant and the dynamic components.
-    a_const = jnp.broadcast_to(coeffs[..., self.constant_index, :],
-                               (*coeffs.shape[:-2], len(self.constant_index), v))
-    a_dyn = coeffs[..., self.dynamic_index, :]
-    if a_dyn.shape[-1] != 1:
-      a_dyn = a_dyn[..., self.value_cols]
-    weight = ein("cnv,...cv->...nv", g, a_const)
-    bias = ein("cmv,...cv->...mv", e, a_const)
-    if len(self.dynamic_index) and len(self.value_cols):
-      keys = (ein("...mn,cnk->...mck", h, dynamic.w1)
-              + jnp.moveaxis(dynamic.b1, 0, 1))
-      values = (ein("...mn,cnv->...mcv", h, dynamic.w2)
-                + jnp.moveaxis(dynamic.b2, 0, 1))
-      s = _small_token_contraction(keys, values, precision) * a_dyn[..., None, :]
-      weight = weight.at[..., self.value_cols].add(
-          ein("cnk,...ckv->...nv", dynamic.w3, s))
-      bias = bias.at[..., self.value_cols].add(
-          ein("cmk,...ckv->...mv", dynamic.b3, s))
-    return ein("...mn,...nv->...mv", h, weight) + bias
+      coeffs = jnp.ones((self.depth, self.components, 1), self.dtype)
+    shape = ElsaParams.zeros(m=self.m, n=self.n, k=1, lead=(
+        self.depth, self.components), dtype=self.dtype)
+    h, coeffs = _coefficients(coeffs, shape, h, lead=("L", "C"), fn=fn)
+    coeffs = jnp.broadcast_to(coeffs, (self.depth, *jnp.shape(h)[:-2],
+                                       *coeffs.shape[-2:]))
+    kept = []
+    for segment in self.segments:
+      def step(state, layer, segment=segment):
+        arrays, layer_coeffs = layer
+        new = self._layer(segment, arrays, state, layer_coeffs, precision)
+        return new, f(new)
+      h, out = jax.lax.scan(step, h, (segment.arrays,
+                                      coeffs[segment.start:segment.stop]))
+      kept.append(out)
+    return h, jax.tree.map(lambda *parts: jnp.concatenate(parts), *kept)
 
   def __call__(self, h: Array, *, coeffs=None, return_all: bool = False,
                precision=None) -> Array:
-    """As :func:`elsa_stack` (``h [..., m, n]``, ``coeffs [..., L, C, v or 1]``)."""
-    layers = self.layers
-    m, n = self.e.shape[-2], self.g.shape[-2]
-    if jnp.shape(h)[-2:] != (m, n):
-      raise ValueError(f"PrunedStack: h must have shape [..., {m}, {n}], got "
-                       f"{jnp.shape(h)}.")
-    _validate.same_dtype("PrunedStack", "h", h, "the parameters", self.g)
-    if coeffs is not None:
-      full = ElsaParams.zeros(m=m, n=n, k=1, v=self.g.shape[-1], lead=(
-          self.g.shape[0], len(self.dynamic_index) + len(self.constant_index)),
-          dtype=self.g.dtype)
-      h, coeffs = _coefficients(coeffs, full, h, lead=("L", "C"),
-                                fn="PrunedStack")
-
-    def step(state, layer):
-      layer_arrays, layer_coeffs = layer
-      new = self.layer(layer_arrays, state, layer_coeffs, precision)
-      return new, (new if return_all else None)
-
-    last, states = jax.lax.scan(step, h, (layers, coeffs))
+    """As :func:`elsa_stack`: the last state, or all ``L + 1`` with ``return_all``."""
+    last, states = self.scan((lambda s: s) if return_all else (lambda s: None),
+                             h, coeffs=coeffs, precision=precision)
     if not return_all:
       return last
+    h = jnp.broadcast_to(h, states.shape[1:])
     return jnp.concatenate([h[None], states], axis=0)
 
 
@@ -577,14 +637,13 @@ def prune(p: ElsaParams) -> PrunedStack:
   """``p`` (concrete, leaves ``[L, C, ...]``, ``v == n``) as a :class:`PrunedStack`.
 
   Constructed stacks are sparse: a skip component's keys and values do not
-  depend on ``h`` (``W1 = W2 = 0``), a gradient head writes one column and
-  reads a few. :func:`elsa_stack` multiplies those zeros for every item;
-  the pruned stack computes the same layers without them, which is what a
-  sweep over many items with one shared basis wants (``coeffs`` carry the
-  items' scalars).
+  read ``h``, a gradient head reads a few columns and writes one.
+  :func:`elsa_stack` multiplies those zeros for every item; the pruned stack
+  computes the same layers without them, for a sweep of many items through
+  one shared basis (their scalars in ``coeffs``).
 
   Raises:
-    TypeError: a leaf is traced (prune outside ``jit``, then close over the
+    TypeError: a leaf is traced (prune outside ``jit`` and close over the
       result) or not floating.
     ValueError: shapes as for :func:`elsa_stack`.
   """
@@ -595,27 +654,11 @@ def prune(p: ElsaParams) -> PrunedStack:
   h = jnp.zeros((m, n), jnp.result_type(p.w1))
   _check(p, h, lead=("L", "C"), fn="prune")
   _check_square(p, h, "prune")
-  nz = lambda a, axes: np.any(np.asarray(a) != 0, axis=axes)
-  # [C]: components whose keys or values read h in some layer.
-  reads_h = nz(p.w1, (0, 2, 3)) | nz(p.w2, (0, 2, 3))
-  dynamic_index = np.flatnonzero(reads_h)
-  constant_index = np.flatnonzero(~reads_h)
-  sub = lambda index: ElsaParams(*(a[:, index] for a in p))
-  dyn, const = sub(dynamic_index), sub(constant_index)
-  # Inner columns with a nonzero key part and a nonzero query part; value
-  # columns with a nonzero value part (over every layer and component of D).
-  inner = ((nz(dyn.w1, (0, 1, 2)) | nz(dyn.b1, (0, 1, 2)))
-           & (nz(dyn.w3, (0, 1, 2)) | nz(dyn.b3, (0, 1, 2))))
-  value_cols = np.flatnonzero(nz(dyn.w2, (0, 1, 2)) | nz(dyn.b2, (0, 1, 2)))
-  inner_cols = np.flatnonzero(inner)
-  dyn = dyn._replace(w1=dyn.w1[..., inner_cols], w3=dyn.w3[..., inner_cols],
-                     b1=dyn.b1[..., inner_cols], b3=dyn.b3[..., inner_cols],
-                     w2=dyn.w2[..., value_cols], b2=dyn.b2[..., value_cols])
-  highest = functools.partial(jnp.einsum, precision="highest")
-  s = highest("lcmk,lcmv->lckv", const.b1, const.b2)
-  return PrunedStack(
-      dynamic=ElsaParams(*(jnp.asarray(a) for a in dyn)),
-      dynamic_index=dynamic_index, value_cols=value_cols,
-      constant_index=constant_index,
-      g=highest("lcnk,lckv->lcnv", const.w3, s),
-      e=highest("lcmk,lckv->lcmv", const.b3, s))
+  # Runs of consecutive layers with one zero pattern share a segment.
+  pattern = lambda t: b"".join(np.packbits(np.asarray(a[t]) != 0).tobytes()
+                               for a in p)
+  cuts = [t for t in range(1, p.w1.shape[0]) if pattern(t) != pattern(t - 1)]
+  bounds = list(zip([0, *cuts], [*cuts, p.w1.shape[0]]))
+  return PrunedStack(tuple(_prune_segment(p, a, b) for a, b in bounds),
+                     m=m, n=n, components=p.w1.shape[1],
+                     dtype=jnp.result_type(p.w1))

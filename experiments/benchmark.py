@@ -370,6 +370,51 @@ def layer_flops(m: int, n: int, k: int, v: int, c: int) -> int:
   return c * per_component + 2 * m * n * v + m * v
 
 
+def pruned_layer_flops(stack: elsa.PrunedStack) -> float:
+  """FLOPs of one layer of ``stack`` on one item, the mean over its layers.
+
+  What :class:`elsa.PrunedStack` computes: for its skips, their per-column
+  scale ``2 C_s n`` and the product with ``h`` ``m n``; for its folded
+  constant components, ``G a`` and ``E a`` ``2 C_c (n + m) v`` and ``h G a
+  + E a`` ``2 m n v + m v``; per kept component (inner ``k'``, value ``v'``)
+  the projections ``2 m n (k' + v') + m (k' + v')``, ``S`` ``2 m k' v'`` and
+  its coefficients ``k' v'``, ``W3 S`` ``2 n k' v'``, ``h W3 S`` ``2 m n
+  v'``, ``B3 S`` ``2 m k' v'`` and the add into the state ``m v'``.
+  """
+  m, n = stack.m, stack.n
+  total = 0.0
+  for seg in stack.segments:
+    layer = 0
+    if len(seg.skips):
+      layer += 2 * len(seg.skips) * n + m * n
+    if len(seg.constant):
+      layer += 2 * len(seg.constant) * (n + m) * n + 2 * m * n * n + m * n
+    for _, inner, value in seg.dynamic:
+      k, v = len(inner), len(value)
+      layer += (2 * m * n * (k + v) + m * (k + v) + 4 * m * k * v + k * v
+                + 2 * n * k * v + 2 * m * n * v + m * v)
+    total += layer * (seg.stop - seg.start)
+  return total / stack.depth
+
+
+def dense_basis_task(form, x, y, x_query, lam, eta, *, depth: int
+                     ) -> dict[str, jax.Array]:
+  """:func:`experiments.sweep.measure_task` before :func:`elsa.prune`: the
+  shared basis with per-item coefficients through :func:`elsa.elsa_layer`,
+  every zero multiplied. The middle side of :func:`run_sweep_ab`."""
+  def layer(h, params_and_coeffs):
+    params, coeffs = params_and_coeffs
+    h = elsa.elsa_layer(params, h, coeffs=coeffs)
+    return h, form.decode_w(h)
+
+  h0 = form.encode(x, y, x_query=x_query)
+  _, w_layers = jax.lax.scan(layer, h0, (
+      form.gd_basis(depth=depth, dtype=x.dtype),
+      form.gd_coefficients(lam=lam, eta=eta, depth=depth)))
+  return sweep.compare_with_gd(form.decode_w(h0), w_layers, x, y, lam=lam,
+                               eta=eta, depth=depth)
+
+
 def _gd_kernel(*, depth: int, mesh: Mesh):
   """Direct GD on the sweep's items: ``ridge.gd`` under the sweep's vmap and
   shardings; ``(x, y, x_query, lam, eta) -> [B, depth + 1, d]`` iterates."""
@@ -408,8 +453,9 @@ def sweep_row(form, batch: int, dtype, mesh: Mesh,
   for name in kernels:
     row[name] = dict(compile_s=compile_s[name], **timing(times[name]))
     row[name]["item_layers_per_s"] = n_items * depth / row[name]["median_s"]
-  _, c, _, k = form.gd_basis(depth=1).w1.shape  # [L, C, n, k]
-  flops = padded * depth * layer_flops(form.m, form.n, k, form.n, c)
+  # The kernel's own arithmetic: that of the pruned layers.
+  flops = padded * depth * pruned_layer_flops(
+      elsa.prune(form.gd_basis(depth=depth, dtype=dtype)))
   row["sweep_kernel"].update(flops=flops,
                              gflops=flops / row["sweep_kernel"]["median_s"] / 1e9)
   row["matmul"] = dict(size=config.square_matmul_size,
@@ -468,13 +514,8 @@ def per_item_stack_task(form, x, y, x_query, lam, eta, *, depth: int
   h0 = form.encode(x, y, x_query=x_query)
   _, states = jax.lax.scan(
       lambda h, p: (_components_first_layer(p, h),) * 2, h0, params)
-  states = jnp.concatenate([h0[None], states])
-  w_gd = ridge.gd(x, y, lam=lam, eta=eta, steps=depth).reshape(depth + 1, -1)
-  w_elsa = form.decode_w(states).reshape(w_gd.shape)
-  w_ridge = ridge.solve(x, y, lam=lam).reshape(-1)
-  return dict(rel_err=common.relative_error(w_elsa, w_gd),
-              elsa_to_ridge=common.relative_error(w_elsa, w_ridge),
-              gd_to_ridge=common.relative_error(w_gd, w_ridge))
+  return sweep.compare_with_gd(form.decode_w(h0), form.decode_w(states), x, y,
+                               lam=lam, eta=eta, depth=depth)
 
 
 def _sweep_args(config, batch: int, dtype, mesh: Mesh):
@@ -491,17 +532,19 @@ def _sweep_args(config, batch: int, dtype, mesh: Mesh):
 
 def sweep_ab_row(form, batch: int, dtype, mesh: Mesh,
                  config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Per-item stacks (A) against the sweep's kernel (B) and a square matmul,
-  on the same items, timed in the same rounds."""
+  """Per-item stacks (A), the shared basis multiplying its zeros (B) and the
+  sweep's kernel, the pruned basis (C), with a square matmul, on the same
+  items, timed in the same rounds."""
   depth, dtype = config.sweep_depth, jnp.dtype(dtype)
   args, n_items, padded = _sweep_args(config, batch, dtype, mesh)
   split = NamedSharding(mesh, PartitionSpec("batch"))
-  per_item = jax.jit(
-      jax.vmap(lambda *a: per_item_stack_task(form, *a, depth=depth)),
+  vmapped = lambda task: jax.jit(
+      jax.vmap(lambda *a: task(form, *a, depth=depth)),
       in_shardings=(split,) * 5,
       out_shardings=NamedSharding(mesh, PartitionSpec()))
-  kernels = dict(per_item_stacks=per_item,
-                 shared_basis=sweep.build_measure(form, depth=depth,
+  kernels = dict(per_item_stacks=vmapped(per_item_stack_task),
+                 shared_basis=vmapped(dense_basis_task),
+                 pruned_basis=sweep.build_measure(form, depth=depth,
                                                   mesh=mesh))
   calls = {name: (lambda c=kernel.lower(*args).compile(): c(*args))
            for name, kernel in kernels.items()}
@@ -509,21 +552,29 @@ def sweep_ab_row(form, batch: int, dtype, mesh: Mesh,
                                                 dtype, config)
   times = time_rounds(calls, config=config)
   _, c, _, k = form.gd_basis(depth=1).w1.shape  # [L, C, n, k]
-  flops = padded * depth * layer_flops(form.m, form.n, k, form.n, c)
+  flops = dict(
+      shared_basis=padded * depth * layer_flops(form.m, form.n, k, form.n, c),
+      pruned_basis=padded * depth * pruned_layer_flops(
+          elsa.prune(form.gd_basis(depth=depth, dtype=dtype))))
   row = dict(batch=batch, dtype=dtype.name, items=n_items, depth=depth,
              flops=flops)
   for name in kernels:
     row[name] = dict(timing(times[name]),
                      item_layers_per_s=n_items * depth
                      / float(np.median(times[name])))
-  row["speedup"] = per_round(times["per_item_stacks"] / times["shared_basis"])
-  row["shared_basis_fraction_of_matmul_rate"] = per_round(
-      (flops / times["shared_basis"]) / (matmul_flops / times["matmul"]))
+  row["speedup"] = per_round(times["per_item_stacks"] / times["pruned_basis"])
+  row["pruned_over_shared_speedup"] = per_round(
+      times["shared_basis"] / times["pruned_basis"])
+  for name in flops:
+    row[f"{name}_fraction_of_matmul_rate"] = per_round(
+        (flops[name] / times[name]) / (matmul_flops / times["matmul"]))
   row["matmul_gflops"] = matmul_flops / float(np.median(times["matmul"])) / 1e9
-  # Both compute the same numbers: the A side is the old kernel, not a toy.
+  # All three compute the same numbers: the A and B sides are the old
+  # kernels, not toys.
   errors = [np.asarray(calls[name]()["rel_err"])[:n_items] for name in kernels]
-  row["max_rel_err"] = float(np.max(errors[1]))
-  row["max_rel_err_difference"] = float(np.max(np.abs(errors[0] - errors[1])))
+  row["max_rel_err"] = float(np.max(errors[-1]))
+  row["max_rel_err_difference"] = float(max(
+      np.max(np.abs(e - errors[-1])) for e in errors[:-1]))
   return row
 
 
@@ -762,18 +813,23 @@ def _sweep_table(part: dict[str, Any]) -> list[str]:
 
 def _sweep_ab_table(part: dict[str, Any]) -> list[str]:
   lines = [f"sweep kernel A/B ({part['form']} form): per-item parameter "
-           "stacks (A) vs shared GD basis (B)",
+           "stacks (A), shared GD basis (B), pruned shared basis (C, the "
+           "sweep's)",
            f"{'dtype':>8} {'batch':>6} {'A item-layers/s':>16} "
-           f"{'B item-layers/s':>16} {'B speedup over A':>22} "
-           f"{'B of matmul rate':>22} {'|A - B| rel_err':>16}"]
+           f"{'B item-layers/s':>16} {'C item-layers/s':>16} "
+           f"{'C over A':>22} {'C over B':>22} {'B of matmul rate':>22} "
+           f"{'C of matmul rate':>22} {'max |diff| rel_err':>18}"]
   for r in part["rows"]:
     lines.append(
         f"{r['dtype']:>8} {r['batch']:>6} "
         f"{r['per_item_stacks']['item_layers_per_s']:>16.4g} "
         f"{r['shared_basis']['item_layers_per_s']:>16.4g} "
+        f"{r['pruned_basis']['item_layers_per_s']:>16.4g} "
         f"{_spread(r['speedup']):>22} "
+        f"{_spread(r['pruned_over_shared_speedup']):>22} "
         f"{_spread(r['shared_basis_fraction_of_matmul_rate']):>22} "
-        f"{r['max_rel_err_difference']:>16.2g}")
+        f"{_spread(r['pruned_basis_fraction_of_matmul_rate']):>22} "
+        f"{r['max_rel_err_difference']:>18.2g}")
   return lines
 
 

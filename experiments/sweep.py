@@ -114,24 +114,30 @@ def measure_task(form, x: Array, y: Array, x_query: Array, lam: Array,
   (the same layers as ``form.gd_params``): the basis does not depend on
   ``lam`` or ``eta``, so under ``vmap`` every item shares it and the
   projections run as one matmul over all items, where a parameter stack per
-  item used to be built. The layers run in one ``lax.scan`` of
-  :func:`elsa.elsa_layer` that decodes ``w`` from each state as it is made:
-  the same states as ``elsa_stack(..., return_all=True)``, without writing
-  all ``L + 1`` of them out (BUILD_NOTES, "The sweep kernel").
+  item used to be built. The basis is pruned (:func:`elsa.prune`, built from
+  constants at trace time): the skip costs one elementwise product and the
+  gradient head computes only the columns it reads and writes. The layers run
+  in one ``lax.scan`` that decodes ``w`` from each state as it is made: the
+  same states as ``elsa_stack(..., return_all=True)``, without writing all
+  ``L + 1`` of them out (BUILD_NOTES, "The sweep kernel").
   """
-  def layer(h, params_and_coeffs):
-    params, coeffs = params_and_coeffs
-    h = elsa.elsa_layer(params, h, coeffs=coeffs)
-    return h, form.decode_w(h)
-
+  with jax.ensure_compile_time_eval():  # a constant: prune reads its zeros
+    stack = elsa.prune(form.gd_basis(depth=depth, dtype=x.dtype))
   h0 = form.encode(x, y, x_query=x_query)
-  _, w_layers = jax.lax.scan(layer, h0, (
-      form.gd_basis(depth=depth, dtype=x.dtype),
-      form.gd_coefficients(lam=lam, eta=eta, depth=depth)))
+  _, w_layers = stack.scan(form.decode_w, h0, coeffs=form.gd_coefficients(
+      lam=lam, eta=eta, depth=depth))
+  return compare_with_gd(form.decode_w(h0), w_layers, x, y, lam=lam, eta=eta,
+                         depth=depth)
+
+
+def compare_with_gd(w0: Array, w_layers: Array, x: Array, y: Array, *, lam,
+                    eta, depth: int) -> dict[str, Array]:
+  """The stack's ``w`` (``w0`` decoded from the input, ``w_layers [L, ...]``
+  after each layer) against GD iterate ``t`` and the ridge solution: the
+  dict of :func:`measure_task`."""
   w_gd = ridge.gd(x, y, lam=lam, eta=eta, steps=depth).reshape(depth + 1, -1)
   # decode_w may keep a trailing output axis of size n_out = 1.
-  w_elsa = jnp.concatenate([form.decode_w(h0)[None], w_layers]).reshape(
-      w_gd.shape)
+  w_elsa = jnp.concatenate([w0[None], w_layers]).reshape(w_gd.shape)
   w_ridge = ridge.solve(x, y, lam=lam).reshape(-1)
   return dict(rel_err=relative_error(w_elsa, w_gd),
               elsa_to_ridge=relative_error(w_elsa, w_ridge),

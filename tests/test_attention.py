@@ -503,3 +503,108 @@ def test_bad_key_mask_raises(mask, error, pattern):
   h = jnp.broadcast_to(h, (2, *h.shape))
   with pytest.raises(error, match=pattern):
     elsa.elsa(p, h, key_mask=mask)
+
+
+# --- prune: the same stack without the work of its zeros -----------------------
+
+
+def _sparse_stack(rng, L, C, m, n, k, dtype=jnp.float64):
+  """A random stack with the zero patterns prune looks for: a skip (W1 = W2
+  = 0, diagonal), a constant component, zero inner and value columns, a
+  component that is zero in some layers, and a pattern change between
+  layers (several segments)."""
+  ps = jax.tree.map(lambda a: 0.3 * a,
+                    random_params(rng, m, n, k, n, jnp.float64, lead=(L, C)))
+  ps = jax.tree.map(np.array, ps)
+  skip = elsa.constructions.pad_inner(elsa.constructions.identity(m, n), k)
+  for name in ElsaParams._fields:
+    getattr(ps, name)[:, 0] = np.asarray(getattr(skip, name))
+  ps.w1[:, 1] = ps.w2[:, 1] = 0           # constant: keys, values from biases
+  ps.w1[:, 2, :, 0] = ps.b1[:, 2, :, 0] = 0   # inner column 0 without a key
+  ps.w2[:, 2, :, 1:3] = ps.b2[:, 2, :, 1:3] = 0   # value columns 1, 2 unwritten
+  if C > 3:
+    for name in ElsaParams._fields:       # component 3 only in layer 0
+      getattr(ps, name)[1:, 3] = 0
+  return ElsaParams(*(jnp.asarray(a, dtype) for a in ps))
+
+
+@pytest.mark.parametrize("L,C,m,n,k", [(3, 3, 7, 5, 5), (5, 4, 9, 6, 7),
+                                       (1, 4, 4, 8, 4)])
+@pytest.mark.parametrize("coeff_width", [None, 1, "v"])
+def test_pruned_stack_equals_elsa_stack(L, C, m, n, k, coeff_width, variant):
+  rng = np.random.default_rng(L * 100 + C)
+  ps = _sparse_stack(rng, L, C, m, n, k)
+  pruned = elsa.prune(ps)
+  assert pruned.depth == L and (pruned.m, pruned.n) == (m, n)
+  # The zeros were found: the skip is an elementwise product (for m >= n;
+  # for m < n identity reads h through W2), component 1 is folded, component
+  # 2 lost a key column and two value columns, component 3 is gone after
+  # layer 0.
+  assert len(pruned.segments) == (2 if C > 3 and L > 1 else 1)
+  for seg in pruned.segments:
+    skip = [0] if m >= n else []
+    assert list(seg.skips) == skip and list(seg.constant) == [1]
+    dynamic = {c: (inner, value) for c, inner, value in seg.dynamic}
+    assert sorted(dynamic) == sorted({0, 2, 3} - set(skip) - (
+        {3} if C == 3 or seg.start > 0 else set()))
+    inner, value = dynamic[2]
+    assert 0 not in inner and {1, 2}.isdisjoint(value)
+  h = jnp.asarray(rng.normal(size=(2, m, n)))
+  coeffs = None
+  if coeff_width is not None:
+    width = n if coeff_width == "v" else 1
+    coeffs = jnp.asarray(rng.normal(size=(2, L, C, width)))
+  want = elsa.elsa_stack(ps, h, coeffs=coeffs, return_all=True)
+  got = variant(lambda h, c: pruned(h, coeffs=c, return_all=True))(h, coeffs)
+  assert got.shape == want.shape == (L + 1, 2, m, n)
+  assert rel_err(got, want) < 1e-12
+  assert rel_err(pruned(h, coeffs=coeffs), want[-1]) < 1e-12
+  # scan keeps what f returns of every state.
+  last, kept = pruned.scan(lambda s: s[..., 0, :], h, coeffs=coeffs)
+  assert rel_err(kept, want[1:, :, 0, :]) < 1e-12
+  assert rel_err(last, want[-1]) < 1e-12
+
+
+def test_pruned_gd_bases_in_float32_and_their_structure():
+  # The sweep's use: the GD bases of both forms, float32 against float64.
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(3, 12, 4))
+  y = rng.normal(size=(3, 12))
+  xq = rng.normal(size=(3, 2, 4))
+  for form in (elsa.forms.Designed(n_train=12, d=4, n_query=2),
+               elsa.forms.Natural(n_train=12, d=4, n_query=2)):
+    errs = []
+    for dtype in (jnp.float64, jnp.float32):
+      basis = form.gd_basis(depth=20, dtype=dtype)
+      pruned = elsa.prune(basis)
+      coeffs = jax.vmap(lambda lam, eta: form.gd_coefficients(
+          lam=lam, eta=eta, depth=20, dtype=dtype))(
+              jnp.asarray([0.0, 0.1, 1.0], dtype),
+              jnp.asarray([0.05, 0.1, 0.02], dtype))
+      h0 = form.encode(jnp.asarray(x, dtype), jnp.asarray(y, dtype),
+                       x_query=jnp.asarray(xq, dtype))
+      got = pruned(h0, coeffs=coeffs, return_all=True)
+      errs.append(rel_err(got, elsa.elsa_stack(basis, h0, coeffs=coeffs,
+                                               return_all=True)))
+      # The last segment: a skip and one gradient head reading d columns
+      # and writing one (the p column).
+      last = pruned.segments[-1]
+      assert list(last.skips) == [0] and not len(last.constant)
+      assert [(c, len(inner), list(value)) for c, inner, value in last.dynamic
+              ] == [(1, form.d, list(range(form.n)[form.p_cols]))]
+    assert errs[0] < 1e-13 and errs[1] < 1e-6
+
+
+def test_prune_refusals():
+  ps = _sparse_stack(np.random.default_rng(0), 2, 3, 5, 4, 4)
+  with pytest.raises(TypeError, match="prune: p must be concrete"):
+    jax.jit(elsa.prune)(ps)
+  with pytest.raises(ValueError, match="elsa_stack|prune"):
+    elsa.prune(ps._replace(w2=ps.w2[..., :3], b2=ps.b2[..., :3]))
+  pruned = elsa.prune(ps)
+  with pytest.raises(ValueError, match=r"PrunedStack: h must have shape \[\.\.\., 5, 4\]"):
+    pruned(jnp.ones((5, 3)))
+  with pytest.raises(TypeError, match="PrunedStack: h has dtype float32"):
+    pruned(jnp.ones((5, 4), jnp.float32))
+  with pytest.raises(ValueError, match="PrunedStack: coeffs must have shape"):
+    pruned(jnp.ones((5, 4)), coeffs=jnp.ones((2, 3, 2)))

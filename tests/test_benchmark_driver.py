@@ -128,10 +128,13 @@ def test_sweep_rows(quick_run):
       assert timing["min_s"] <= timing["median_s"] and timing["reps"] >= 1
       assert timing["item_layers_per_s"] == pytest.approx(
           r["items"] * r["depth"] / timing["median_s"])
-    # Two components of k = n per layer (the Designed basis).
-    m, n = r["m"], r["n"]
-    assert r["sweep_kernel"]["flops"] == (
-        r["padded_items"] * r["depth"] * benchmark.layer_flops(m, n, n, n, 2))
+    # The pruned Designed basis: a skip (m n) and a head reading d columns
+    # and writing one.
+    m, n, d = r["m"], r["n"], config.sweep_d
+    head = (2 * m * n * (d + 1) + m * (d + 1) + 4 * m * d + d + 2 * n * d
+            + 2 * m * n + m)
+    assert r["sweep_kernel"]["flops"] == r["padded_items"] * r["depth"] * (
+        m * n + 2 * n + head)
     assert _positive(r["matmul"]["gflops"])
     _per_round(r["fraction_of_matmul_rate"], config)
     _per_round(r["sweep_kernel_over_gd_time"], config)
@@ -219,11 +222,15 @@ def test_ab_parts_time_both_sides_in_the_same_rounds(tmp_path):
     f32 = r["dtype"] == "float32"
     assert r["max_rel_err_difference"] < (1e-5 if f32 else 1e-13)
     assert r["max_rel_err"] < (1e-4 if f32 else 1e-12)
-    for side in ("per_item_stacks", "shared_basis"):
+    for side in ("per_item_stacks", "shared_basis", "pruned_basis"):
       assert r[side]["item_layers_per_s"] == pytest.approx(
           r["items"] * r["depth"] / r[side]["median_s"])
-    _per_round(r["speedup"], config)
-    _per_round(r["shared_basis_fraction_of_matmul_rate"], config)
+    # Pruning removes arithmetic: the skip's and most of the head's.
+    assert r["flops"]["pruned_basis"] < r["flops"]["shared_basis"] / 3
+    for ratio in ("speedup", "pruned_over_shared_speedup",
+                  "shared_basis_fraction_of_matmul_rate",
+                  "pruned_basis_fraction_of_matmul_rate"):
+      _per_round(r[ratio], config)
   rows = results["small_contraction_ab"]["rows"]
   assert [(r["dtype"], r["batch"]) for r in rows] == [
       (d, b) for d in config.dtypes for b in config.sweep_batches]
