@@ -467,7 +467,7 @@ def elsa_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
   return jnp.concatenate([h[None], states], axis=0)
 
 
-# --- a stack with its exact-zero work removed ----------------------------------
+# --- a stack with its exact-zero work removed --------------------------------
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -215,8 +215,9 @@ class ElsaStack(_ElsaBlock):
     tied: loop one layer's parameters ``depth`` times.
     depth: number of layers when ``tied`` (default: ``L`` of ``params``).
     residual: every layer adds its output to the state (a residual stream).
-    use_bias, frozen, mask, key_mask: switches, see the module docstring. With ``tied``
-      the masks broadcast against the held ``[1, C, ...]`` leaves.
+    use_bias, frozen, mask, key_mask: switches, see the module docstring.
+      With ``tied`` the masks broadcast against the held ``[1, C, ...]``
+      leaves.
   """
 
   lead_axes = ("L", "C")

@@ -431,7 +431,7 @@ def test_small_token_contraction_layouts_agree_with_numpy(dtype, bound):
   assert got.dtype == dtype and rel_err(got, states[-1]) < 10 * bound
 
 
-# --- key_mask: tokens that read but are not read --------------------------------
+# --- key_mask: tokens that read but are not read ------------------------------
 
 
 @pytest.mark.parametrize("batch,m,n,k,v", SHAPES)
@@ -505,7 +505,7 @@ def test_bad_key_mask_raises(mask, error, pattern):
     elsa.elsa(p, h, key_mask=mask)
 
 
-# --- prune: the same stack without the work of its zeros -----------------------
+# --- prune: the same stack without the work of its zeros ---------------------
 
 
 def _sparse_stack(rng, L, C, m, n, k, dtype=jnp.float64):
