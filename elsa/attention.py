@@ -13,6 +13,11 @@ The product is evaluated right to left, ``Q @ (K^T @ V)``: the ``[m, m]``
 attention matrix ``Q K^T`` is never formed. Cost per batch element is
 ``O(m n (k + v) + m k v)`` and memory ``O(m (k + v) + k v)``.
 
+:func:`elsa`, :func:`lsa`, :func:`elsa_layer` and :func:`elsa_stack` take a
+``key_mask``, the tokens that enter ``K^T V``. :func:`prune` turns a concrete
+(constructed, sparse) stack into a :class:`PrunedStack` that computes the
+same layers without multiplying its zeros.
+
 Reference: Hagiwara, "An extension of linear self-attention for in-context
 learning", arXiv:2503.23814 (2025).
 """
