@@ -566,7 +566,8 @@ def test_pruned_stack_equals_elsa_stack(L, C, m, n, k, coeff_width, variant):
 
 
 def test_pruned_gd_bases_in_float32_and_their_structure():
-  # The sweep's use: the GD bases of both forms, float32 against float64.
+  # The sweep's use: the GD bases of both forms, pruned against dense, float64
+  # and float32 (worst float32 difference measured: 3.6e-8 over 3 draws).
   rng = np.random.default_rng(5)
   x = rng.normal(size=(3, 12, 4))
   y = rng.normal(size=(3, 12))
