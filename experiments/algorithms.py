@@ -443,6 +443,15 @@ def _per_kappa(config, wd: common.Workdir, runners: dict) -> list[dict]:
       name="algorithms")
 
 
+def _race(config, wd: common.Workdir) -> dict:
+  """The results dict of the race (every kappa resumed or computed)."""
+  runners = make_runners(config)
+  sizes = {name: r["size"] for name, r in runners.items()}
+  per_kappa = _per_kappa(config, wd, runners)
+  return {"config": common.config_dict(config),
+          **summary(per_kappa, sizes, config), "per_kappa": per_kappa}
+
+
 def run(config, workdir: str, *, overwrite: bool = False) -> dict:
   """Runs the race into ``workdir`` and returns the results dict.
 
@@ -462,20 +471,7 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
   with jax.enable_x64(True), common.claim_workdir(
       workdir, config, overwrite=overwrite,
       owned=("partial_kappa*.json",)) as wd:
-    results = wd.read_json("results.json")
-    if results is None:
-      runners = make_runners(config)
-      sizes = {name: r["size"] for name, r in runners.items()}
-      per_kappa = _per_kappa(config, wd, runners)
-      results = {"config": common.config_dict(config),
-                 **summary(per_kappa, sizes, config),
-                 "per_kappa": per_kappa}
-      results = common.finite_or_none(results)
-      # results.json last: its presence means the run is complete.
-      wd.write_json("results.json", results)
-    else:
-      logging.info("algorithms: results exist in %s; skipping the race.",
-                   workdir)
+    results = wd.results(lambda: _race(config, wd), name="algorithms")
     wd.save_figure(plotting.algorithm_layers(results),
                    "figures/algorithm_layers.png")
   logging.info("algorithms summary:\n%s", markdown_table(results))

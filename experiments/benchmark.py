@@ -940,18 +940,17 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   x64 = "float64" if "float64" in config.dtypes else "float32"
   with common.float_dtype_enabled(x64), common.claim_workdir(
       workdir, config, overwrite=overwrite) as wd:
-    found = wd.read_json("results.json")
-    if found is not None:
-      logging.info("%s holds finished results; not re-measuring.",
-                   wd.path("results.json"))
-      return found
-    results = dict(machine=machine(), square_matmul=[
-        square_matmul_rate(dtype, config) for dtype in config.dtypes])
-    for part in config.parts:
-      logging.info("benchmark: part %s", part)
-      results[part] = PARTS[part](config)
-    results["load_average_after"] = list(os.getloadavg())
-    wd.write_json("results.json", results)
+    return wd.results(lambda: _measure(config), name="benchmark")
+
+
+def _measure(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The results dict: the machine, its square-matmul rates, every part."""
+  results = dict(machine=machine(), square_matmul=[
+      square_matmul_rate(dtype, config) for dtype in config.dtypes])
+  for part in config.parts:
+    logging.info("benchmark: part %s", part)
+    results[part] = PARTS[part](config)
+  results["load_average_after"] = list(os.getloadavg())
   return results
 
 

@@ -395,6 +395,22 @@ class Workdir:
                  check.get("sha256") == _digest(obj))
     return obj
 
+  def results(self, compute, *, name: str) -> dict:
+    """``results.json`` of a finished run, else ``compute()`` written as it.
+
+    ``results.json`` is written last, so its presence means the run is
+    complete; the returned dict has JSON nulls for non-finite numbers either
+    way (:func:`finite_or_none`). ``name``: the driver, for the log line.
+    """
+    found = self.read_json("results.json")
+    if found is not None:
+      logging.info("%s: %s holds finished results; nothing to compute.", name,
+                   self.path("results.json"))
+      return found
+    results = finite_or_none(compute())
+    self.write_json("results.json", results)
+    return results
+
   def write_npz(self, name: str, arrays: dict[str, np.ndarray]) -> None:
     """Saves ``arrays`` as ``name`` (``.npz``), tied to the config."""
     arrays = {k: np.asarray(v) for k, v in arrays.items()}

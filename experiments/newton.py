@@ -281,15 +281,9 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
   with jax.enable_x64(True), common.claim_workdir(
       workdir, config, overwrite=overwrite,
       owned=("partial_kappa*.json",)) as wd:
-    results = wd.read_json("results.json")
-    if results is None:
-      results = {"config": common.config_dict(config),
-                 "per_kappa": _per_kappa(config, wd)}
-      # results.json last: its presence means the run is complete.
-      wd.write_json("results.json", results)
-    else:
-      logging.info("newton: results exist in %s; skipping the sweep.",
-                   workdir)
+    results = wd.results(lambda: {"config": common.config_dict(config),
+                                  "per_kappa": _per_kappa(config, wd)},
+                         name="newton")
     wd.save_figure(plotting.newton_layers(results, summary_rows(results)),
                    "figures/newton_layers.png")
   logging.info("newton summary:\n%s", markdown_table(results))
