@@ -469,8 +469,7 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
   """
   validate(config)
   with jax.enable_x64(True), common.claim_workdir(
-      workdir, config, overwrite=overwrite,
-      owned=("partial_kappa*.json",)) as wd:
+      workdir, config, overwrite=overwrite) as wd:
     results = wd.results(lambda: _race(config, wd), name="algorithms")
     wd.save_figure(plotting.algorithm_layers(results),
                    "figures/algorithm_layers.png")

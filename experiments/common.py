@@ -7,25 +7,29 @@ through the :class:`Workdir` it gets. The workdir then guarantees:
 * Atomic files. Every write goes to a temporary ``.tmp-*`` file in the same
   folder and is renamed into place, so a killed run never leaves a
   half-written file; leftover ``.tmp-*`` files are removed by the next claim.
-* One run at a time. The claim holds ``.elsa-lock`` (the holder's pid and
-  host) until the run ends; a second claim is refused while the holder is
-  alive, and takes the lock over when its process is gone (same host).
+* One run at a time. The claim holds ``.elsa-lock`` with ``flock`` until the
+  run ends; a second claim is refused while it is held, and the kernel
+  releases it when the holder's process ends, however it ends.
 * One config. ``config.json`` holds the config in canonical form (NaN as
   ``"nan"``, so a NaN equals itself; numbers by value, ``0`` as ``0.0``); a
   different config is refused unless ``overwrite``. Every output written
-  through the workdir carries the config's hash and a checksum of its
-  content, verified when read: a file of another config, altered or
-  truncated is reported, naming the file and the way out, and never used.
-* ``overwrite`` starts afresh: it deletes what this driver wrote (the names in
-  the manifest ``.elsa-outputs.json``, plus ``config.json``, ``results.json``
-  and the exact names the driver declares ``owned``) and nothing else. The
-  manifest lists only paths inside the workdir; a damaged one (or a damaged
+  through the workdir (train's checkpoints too) carries the config's hash
+  and a checksum of its content, verified when read: a file of another
+  config, altered or truncated is reported, naming the file and the way
+  out, and never used.
+* Ownership by record. Every write is recorded first in the manifest
+  ``.elsa-outputs.json``, and never passes through a symlink. ``overwrite``
+  starts afresh: it deletes what the manifest records (and ``config.json``,
+  ``results.json``), reached part by part without following a symlink (a
+  link is removed as a link), a folder only if the driver made it; every
+  other file stays, whatever its name. A damaged manifest (or
   ``config.json``) is refused by name, and ``overwrite`` clears it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -33,6 +37,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from typing import Any, Iterator, Sequence
@@ -275,7 +280,8 @@ class CorruptOutput(ValueError):
   """A file in the workdir is unreadable, altered, or of another config."""
 
 
-def _way_out(path: str) -> str:
+def way_out(path: str) -> str:
+  """The end of a :class:`CorruptOutput` message: how to get rid of ``path``."""
   return (f"delete {path!r} (or rerun with --overwrite to start afresh) and "
           "that part is computed again.")
 
@@ -300,7 +306,7 @@ def read_json(path: str) -> Any | None:
       return json.load(f)
   except (ValueError, UnicodeDecodeError) as err:
     raise CorruptOutput(f"{path!r} is not valid JSON ({err}); "
-                        + _way_out(path)) from None
+                        + way_out(path)) from None
 
 
 def save_figure(fig, path: str) -> None:
@@ -326,21 +332,45 @@ LOCK = ".elsa-lock"
 MANIFEST = ".elsa-outputs.json"
 _CHECK = "_check"  # key of the config hash and checksum in a JSON output
 _NPZ_HASH, _NPZ_SUM = "__config_hash__", "__sha256__"
+# The names every driver writes: overwrite deletes them (regular files only)
+# even when the manifest that records the rest is damaged.
+_FIXED = ("config.json", "results.json")
+# What the manifest records: files the driver wrote, folders other code
+# fills for it (deleted whole), folders it made on the way (deleted if empty).
+_KINDS = ("files", "trees", "folders")
 
 
 class WorkdirInUse(ValueError):
-  """The workdir holds another config's results, or another run holds it."""
+  """Another run holds the workdir, it holds another config's results, or
+  something the driver did not make is in the way of a write."""
+
+
+class UnusableWorkdir(ValueError):
+  """``--workdir`` is not a folder this process can create, write and lock."""
+
+
+def _uint8(text: str) -> np.ndarray:
+  return np.frombuffer(text.encode(), np.uint8)
+
+
+def _text(array) -> str:
+  """A hash stored by :meth:`Workdir.seal` (uint8), or by earlier versions
+  (a numpy string)."""
+  array = np.asarray(array)
+  return bytes(array).decode() if array.dtype == np.uint8 else str(array)
 
 
 class Workdir:
   """A driver's view of its workdir: every output tied to one config.
 
   JSON outputs are objects; they are stored with an extra key ``"_check"``
-  (the config hash and a SHA-256 of the rest), ``.npz`` outputs with two
-  extra arrays, and read back verified, without them. Writes are atomic and
-  recorded in the manifest, so ``overwrite`` can delete exactly them. Build
-  one with :func:`claim_workdir` to write; ``Workdir(path, config)`` alone
-  only reads (other processes of a multi-host run).
+  (the config hash and a SHA-256 of the rest), ``.npz`` outputs (and train's
+  checkpoints) with two extra arrays (:meth:`seal`), and read back verified,
+  without them. Writes are atomic, recorded in the manifest before they
+  happen, so ``overwrite`` can delete exactly them, and never pass through a
+  symlink. Build one with :func:`claim_workdir` to write;
+  ``Workdir(path, config)`` alone only reads (other processes of a
+  multi-host run).
   """
 
   def __init__(self, root: str, config: ml_collections.ConfigDict):
@@ -353,19 +383,49 @@ class Workdir:
   def exists(self, name: str) -> bool:
     return os.path.exists(self.path(name))
 
-  def own(self, name: str) -> None:
-    """Records ``name`` (a file or folder written by other code) as this
-    driver's, for ``overwrite`` to delete.
+  def own(self, name: str, *, tree: bool = False) -> None:
+    """Records ``name`` as this driver's, for ``overwrite`` to delete, and
+    makes the folders on its way (recorded too).
+
+    ``tree``: ``name`` is a folder that other code fills (a checkpoint
+    manager), made here and deleted whole by ``overwrite``; one that exists
+    but is not recorded is not the driver's, and is refused.
 
     Raises:
       ValueError: ``name`` is not a relative path inside the workdir.
+      WorkdirInUse: a symlink or a file is on its way, a folder is at the
+        name of a file, or the tree exists and is not the driver's.
     """
     if not _inside(name):
       raise ValueError(f"Workdir.own: {name!r} is not a path inside the "
-                       "workdir (relative, without '..').")
-    names = _manifest(self.root)
-    if name not in names:
-      write_json(self.path(MANIFEST), sorted(names | {name}))
+                       "workdir (relative, normalised, without '..').")
+    recorded = _manifest(self.root)
+    folder = name if tree else os.path.dirname(name)
+    parts = folder.split(os.sep) if folder else []
+    new = {os.sep.join(parts[:i]) for i in range(1, len(parts) + 1)}
+    new = {n for n in new if not os.path.lexists(self.path(n))}
+    if tree and name not in new | recorded["trees"]:
+      raise WorkdirInUse(
+          f"{self.path(name)!r} exists, but this driver did not make it (it "
+          f"is not in {MANIFEST}); move it away, or use another --workdir.")
+    if not tree and os.path.isdir(self.path(name)):
+      raise WorkdirInUse(f"{self.path(name)!r} is a folder this driver did "
+                         "not make, where it writes a file; move it away, or "
+                         "use another --workdir.")
+    wanted = {"files": recorded["files"] | ({name} - {folder}),
+              "trees": recorded["trees"] | ({name} & {folder} if tree
+                                            else set()),
+              "folders": recorded["folders"] | (new - {name})}
+    if wanted != recorded:  # recorded before it exists: a kill leaves no orphan
+      write_json(self.path(MANIFEST), {k: sorted(wanted[k]) for k in _KINDS})
+    try:
+      os.close(_open_folder(self.root, folder, make=True))
+    except OSError as err:
+      raise WorkdirInUse(
+          f"cannot write {name!r} in workdir {self.root!r}: a folder on its "
+          f"way is a symlink or a file ({err.strerror}); the driver writes "
+          "only into real folders inside the workdir. Move it away, or use "
+          "another --workdir.") from None
 
   def write_json(self, name: str, obj: dict) -> None:
     """Writes the JSON object ``obj`` as ``name``, tied to the config."""
@@ -390,9 +450,9 @@ class Workdir:
     check = obj.pop(_CHECK, None) if isinstance(obj, dict) else None
     if not isinstance(check, dict):
       raise CorruptOutput(f"{path!r} has no config hash and checksum, so it "
-                          "cannot be trusted; " + _way_out(path))
+                          "cannot be trusted; " + way_out(path))
     self._verify(path, check.get("config_hash"),
-                 check.get("sha256") == _digest(obj))
+                 check.get("sha256") == _digest(obj), remedy=path)
     return obj
 
   def results(self, compute, *, name: str) -> dict:
@@ -411,13 +471,39 @@ class Workdir:
     self.write_json("results.json", results)
     return results
 
+  def seal(self, arrays: dict[str, Any]) -> dict[str, np.ndarray]:
+    """``arrays`` (as numpy) plus the config hash and a SHA-256 of their
+    content, as two uint8 arrays (any array store keeps them)."""
+    arrays = {k: np.asarray(v) for k, v in arrays.items()}
+    return {**arrays, _NPZ_HASH: _uint8(self.config_hash),
+            _NPZ_SUM: _uint8(_array_digest(arrays))}
+
+  def unseal(self, path: str, arrays: dict[str, Any], *,
+             remedy: str | None = None) -> dict[str, np.ndarray]:
+    """What :meth:`seal` gave, read back from ``path``: verified, without the
+    two extra arrays.
+
+    Raises:
+      CorruptOutput: they are missing, of another config, or the content
+        differs; naming ``path`` and the way out (delete ``remedy``,
+        default ``path``).
+    """
+    arrays = {k: np.asarray(v) for k, v in arrays.items()}
+    found_hash, found_sum = arrays.pop(_NPZ_HASH, None), arrays.pop(_NPZ_SUM,
+                                                                    None)
+    if found_hash is None or found_sum is None:
+      raise CorruptOutput(f"{path!r} has no config hash and checksum, so it "
+                          "cannot be trusted; " + way_out(remedy or path))
+    self._verify(path, _text(found_hash),
+                 _text(found_sum) == _array_digest(arrays),
+                 remedy=remedy or path)
+    return arrays
+
   def write_npz(self, name: str, arrays: dict[str, np.ndarray]) -> None:
     """Saves ``arrays`` as ``name`` (``.npz``), tied to the config."""
-    arrays = {k: np.asarray(v) for k, v in arrays.items()}
+    sealed = self.seal(arrays)
     self.own(name)
-    _atomic_write(self.path(name), lambda f: np.savez(
-        f, **arrays, **{_NPZ_HASH: np.asarray(self.config_hash),
-                        _NPZ_SUM: np.asarray(_array_digest(arrays))}))
+    _atomic_write(self.path(name), lambda f: np.savez(f, **sealed))
 
   def read_npz(self, name: str) -> dict[str, np.ndarray] | None:
     """What :meth:`write_npz` saved as ``name``, verified; ``None`` if absent."""
@@ -430,195 +516,204 @@ class Workdir:
     except Exception as err:  # pylint: disable=broad-except
       # zipfile, numpy and OS errors alike: the file cannot be read whole.
       raise CorruptOutput(f"{path!r} is not a readable .npz file ({err}); "
-                          + _way_out(path)) from None
-    found_hash, found_sum = arrays.pop(_NPZ_HASH, None), arrays.pop(_NPZ_SUM,
-                                                                    None)
-    if found_hash is None or found_sum is None:
-      raise CorruptOutput(f"{path!r} has no config hash and checksum, so it "
-                          "cannot be trusted; " + _way_out(path))
-    self._verify(path, str(found_hash),
-                 str(found_sum) == _array_digest(arrays))
-    return arrays
+                          + way_out(path)) from None
+    return self.unseal(path, arrays)
 
   def save_figure(self, fig, name: str) -> None:
     """Saves a matplotlib figure as ``name`` (PNG), atomically."""
     self.own(name)
     save_figure(fig, self.path(name))
 
-  def _verify(self, path: str, found_hash, content_ok: bool) -> None:
+  def _verify(self, path: str, found_hash, content_ok: bool, *,
+              remedy: str) -> None:
     if found_hash != self.config_hash:
       raise CorruptOutput(f"{path!r} was written by another config (hash "
                           f"{found_hash}, this config {self.config_hash}); "
-                          + _way_out(path))
+                          + way_out(remedy))
     if not content_ok:
       raise CorruptOutput(f"{path!r} fails its checksum: it was altered or "
-                          "damaged after it was written; " + _way_out(path))
+                          "damaged after it was written; " + way_out(remedy))
 
 
 def _inside(name) -> bool:
-  """Whether ``name`` is a relative path below the workdir (not the workdir
-  itself): what a manifest may list, so ``overwrite`` never deletes outside."""
+  """Whether ``name`` is a relative, normalised path below the workdir
+  without ``..`` (what a manifest may list): resolved part by part without
+  following a symlink (:func:`_open_folder`), it stays inside."""
   if not isinstance(name, str) or not name or os.path.isabs(name):
     return False
-  parts = os.path.normpath(name).split(os.sep)
-  return ".." not in parts and parts != ["."] and "" not in parts
+  return (os.path.normpath(name) == name and name != "."
+          and ".." not in name.split(os.sep))
 
 
-def _manifest(root: str) -> set[str]:
-  """The names the manifest lists.
+def _open_folder(root: str, name: str, *, make: bool = False) -> int:
+  """A descriptor of the folder ``root/name``, opened part by part without
+  following a symlink, so it is the folder inside ``root`` whatever was
+  linked or swapped in (a symlinked ``root`` itself is followed).
 
   Raises:
-    CorruptOutput: it is not valid JSON, or not a list of names inside
-      ``root``.
+    OSError: a part is missing (``make``: it is made instead), a symlink or
+      not a folder.
+  """
+  fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+  try:
+    for part in name.split(os.sep) if name else ():
+      if make:
+        with contextlib.suppress(FileExistsError):
+          os.mkdir(part, dir_fd=fd)
+      inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                      | os.O_CLOEXEC, dir_fd=fd)
+      os.close(fd)
+      fd = inner
+    return fd
+  except BaseException:
+    os.close(fd)
+    raise
+
+
+def _delete(root: str, name: str, kind: str) -> bool:
+  """Deletes ``root/name``, reached without following a symlink: a file or a
+  symlink is unlinked (a link is never followed); a folder only as a
+  ``trees`` entry (with its contents) or an empty ``folders`` one. Returns
+  whether it deleted something."""
+  try:
+    fd = _open_folder(root, os.path.dirname(name))
+  except OSError:
+    return False  # a folder on the way is gone, a symlink or a file
+  base = os.path.basename(name)
+  try:
+    is_dir = stat.S_ISDIR(os.stat(base, dir_fd=fd,
+                                  follow_symlinks=False).st_mode)
+    if kind == "folders":
+      os.rmdir(base, dir_fd=fd)
+    elif is_dir and kind == "trees":
+      shutil.rmtree(base, dir_fd=fd)
+    elif not is_dir:
+      os.unlink(base, dir_fd=fd)
+    else:
+      return False  # a folder where the driver wrote a file: not its own
+    return True
+  except OSError:  # gone, or a folder not empty: the user's files stay
+    return False
+  finally:
+    os.close(fd)
+
+
+def _manifest(root: str) -> dict[str, set[str]]:
+  """What the manifest records, ``{kind: names}`` for each of :data:`_KINDS`
+  (a plain list, as earlier versions wrote, holds files).
+
+  Raises:
+    CorruptOutput: it is not valid JSON, or not names inside ``root``.
   """
   path = os.path.join(root, MANIFEST)
   try:
-    names = read_json(path)
+    found = read_json(path)
   except CorruptOutput:
-    names = "damaged"
-  if names is None:
-    return set()
-  if not isinstance(names, list) or not all(_inside(n) for n in names):
-    raise CorruptOutput(
-        f"{path!r}, the list of what the driver wrote in this workdir (what "
-        "--overwrite deletes), is damaged. Rerun with --overwrite to start "
-        "afresh: it then deletes only config.json, results.json and the "
-        "driver's own partial files, and keeps every other file (delete "
-        "figures you no longer want by hand); or use another --workdir.")
-  return set(names)
+    found = "damaged"
+  if found is None or isinstance(found, list):
+    found = {"files": found or []}
+  if (isinstance(found, dict) and set(found) <= set(_KINDS)
+      and all(isinstance(v, list) and all(_inside(n) for n in v)
+              for v in found.values())):
+    return {kind: set(found.get(kind, ())) for kind in _KINDS}
+  raise CorruptOutput(
+      f"{path!r}, the record of what the driver wrote in this workdir (what "
+      "--overwrite deletes), is damaged. Rerun with --overwrite to start "
+      f"afresh: it then deletes only {' and '.join(_FIXED)}, and keeps every "
+      "other file (delete what you no longer want by hand); or use another "
+      "--workdir.")
 
 
-def _lock_text() -> str:
-  return json.dumps(dict(pid=os.getpid(), host=socket.gethostname(),
-                         since=time.strftime("%Y-%m-%d %H:%M:%S")))
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True  # someone else's process
-  return True
-
-
-def _acquire_lock(root: str) -> str:
-  """Creates ``root/LOCK`` holding this process's pid and host; returns its text.
-
-  The file is written whole, then linked into place (``os.link`` fails if the
-  name exists), so a lock is never seen half-written. A lock whose process is
-  gone (same host) is stale: it is moved aside and this process takes over.
-  """
-  path, text = os.path.join(root, LOCK), _lock_text()
-  fd, tmp = tempfile.mkstemp(dir=root, prefix=_TMP_PREFIX, suffix=LOCK)
-  with os.fdopen(fd, "w") as f:
-    f.write(text)
-  try:
-    for _ in range(3):
-      try:
-        os.link(tmp, path)
-        return text
-      except FileExistsError:
-        pass
-      try:
-        with open(path, encoding="utf-8") as f:
-          held = f.read()
-      except FileNotFoundError:
-        continue  # released meanwhile: try again
-      try:
-        holder = json.loads(held)
-        pid, host = int(holder["pid"]), str(holder["host"])
-      except (ValueError, KeyError, TypeError):
-        pid, host = None, socket.gethostname()  # unreadable: nobody's
-      if host != socket.gethostname() or (pid is not None and _alive(pid)):
-        raise WorkdirInUse(
-            f"workdir {root!r} is in use by another run (pid {pid} on host "
-            f"{host}, lock file {path!r}). Wait for it to finish, or use "
-            "another --workdir; if no such run is alive, delete the lock file.")
-      _take_over(path, held)
-    raise WorkdirInUse(f"workdir {root!r}: could not take over the stale lock "
-                       f"{path!r}; another run is claiming it.")
-  finally:
-    os.remove(tmp)
-
-
-def _take_over(path: str, held: str) -> None:
-  """Removes the stale lock ``path`` if it still holds ``held``."""
-  aside = f"{path}.stale-{os.getpid()}"
-  try:
-    os.rename(path, aside)  # atomic: of two takers, one moves it
-  except FileNotFoundError:
-    return
-  with open(aside, encoding="utf-8") as f:
-    moved = f.read()
-  if moved != held:  # a new holder's lock, taken meanwhile: put it back
-    with contextlib.suppress(FileExistsError):
-      os.link(aside, path)
-  os.remove(aside)
-  logging.warning("took over the stale lock %s (%s)", path, held)
-
-
-def _release_lock(root: str, text: str) -> None:
+@contextlib.contextmanager
+def _locked(root: str) -> Iterator[None]:
+  """Holds ``root/LOCK`` with ``flock``: exclusive, released by the kernel
+  when the process ends, however it ends (so a killed run leaves no stale
+  lock). The file names the holder, for the refusal message, and is deleted
+  while still held; a claimer that locked the deleted file retries on the
+  new one."""
   path = os.path.join(root, LOCK)
-  with contextlib.suppress(FileNotFoundError):
-    with open(path, encoding="utf-8") as f:
-      mine = f.read() == text
-    if mine:
+  while True:
+    try:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   0o644)
+    except OSError as err:
+      raise _unusable(root, err) from None
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.read(fd, 1000).decode(errors="replace") or "starting"
+      os.close(fd)
+      raise WorkdirInUse(
+          f"workdir {root!r} is in use by another run ({holder}; lock file "
+          f"{path!r}). Wait for it to finish, or use another --workdir.") from None
+    except OSError as err:
+      os.close(fd)
+      raise _unusable(root, err) from None
+    with contextlib.suppress(FileNotFoundError):
+      if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+        break
+    os.close(fd)
+  try:
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
+             f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    yield
+  finally:
+    with contextlib.suppress(FileNotFoundError):
       os.remove(path)
+    os.close(fd)
 
 
-def _remove_leftover_tmp(root: str) -> None:
-  """Deletes ``.tmp-*`` files of killed writes (the lock is held: none is live)
-  in the folders drivers write to: ``root``, ``figures/`` (where a driver
-  without a manifest, ``train``, saves its figures) and the folders of the
-  manifest's names."""
-  folders = {root, os.path.join(root, "figures")} | {
-      os.path.dirname(os.path.join(root, name)) for name in _manifest(root)}
+def _unusable(root: str, err: OSError) -> UnusableWorkdir:
+  if os.path.exists(root) and not os.path.isdir(root):
+    what = "is not a folder"
+  elif not os.path.isdir(root):
+    what = f"cannot be created ({err.strerror})"
+  else:
+    what = f"cannot be written or locked ({err.strerror})"
+  return UnusableWorkdir(f"workdir {root!r} {what}; pass a folder this user "
+                         "can write (on a filesystem with file locks) as "
+                         "--workdir.")
+
+
+def _remove_leftover_tmp(root: str, recorded: dict[str, set[str]]) -> None:
+  """Deletes ``.tmp-*`` files of killed writes (the lock is held: none is
+  live) in the folders drivers write to: ``root``, ``figures/`` and the
+  folders the manifest records or writes files into (never through a
+  symlink)."""
+  folders = {"", "figures"} | recorded["folders"] | {
+      os.path.dirname(name) for name in recorded["files"]}
   for folder in folders:
-    if not os.path.isdir(folder) or os.path.islink(folder):
+    try:
+      fd = _open_folder(root, folder)
+    except OSError:
       continue
-    for name in os.listdir(folder):
-      path = os.path.join(folder, name)
-      if (_TMP_NAME.match(name) and not name.endswith(LOCK)
-          and os.path.isfile(path)):
-        os.remove(path)
+    try:
+      for name in os.listdir(fd):
+        if _TMP_NAME.match(name) and stat.S_ISREG(
+            os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+          os.unlink(name, dir_fd=fd)
+    finally:
+      os.close(fd)
 
 
-def _outputs(root: str, owned: Sequence[str]) -> list[str]:
-  """What the driver wrote that exists: manifest names, ``config.json``,
-  ``results.json`` and ``owned`` (exact names, ``*`` matching within a
-  top-level name)."""
-  names = _manifest(root) | {"config.json", "results.json"}
-  patterns = [re.compile(re.escape(p).replace(r"\*", "[^/]*") + r"\Z")
-              for p in owned]
-  names |= {n for n in os.listdir(root) if any(p.match(n) for p in patterns)}
-  return sorted(n for n in names if os.path.lexists(os.path.join(root, n)))
-
-
-def _delete_outputs(root: str, owned: Sequence[str]) -> list[str]:
-  """Deletes :func:`_outputs`, then the manifest and the folders that the
-  deletions left empty; returns the names deleted."""
-  deleted = _outputs(root, owned)
-  for name in deleted:
-    target = os.path.join(root, name)
-    if os.path.isdir(target) and not os.path.islink(target):
-      shutil.rmtree(target)
-    else:
-      os.remove(target)
+def _delete_outputs(root: str, recorded: dict[str, set[str]]) -> list[str]:
+  """Deletes what the manifest records (and :data:`_FIXED`), then the
+  manifest, then the folders the driver made that are left empty; returns
+  the names deleted."""
+  deleted = [name for kind, names in (("files", recorded["files"]
+                                       | set(_FIXED)),
+                                      ("trees", recorded["trees"]))
+             for name in sorted(names) if _delete(root, name, kind)]
   with contextlib.suppress(FileNotFoundError):
     os.remove(os.path.join(root, MANIFEST))
-  for name in deleted:
-    folder = os.path.dirname(os.path.join(root, name))
-    while os.path.normpath(folder) != os.path.normpath(root):
-      with contextlib.suppress(OSError):  # not empty: the user's files stay
-        os.rmdir(folder)
-      folder = os.path.dirname(folder)
+  for name in sorted(recorded["folders"], key=len, reverse=True):  # inner first
+    _delete(root, name, "folders")
   return deleted
 
 
 def _check_config_json(root: str, wanted: dict, overwrite: bool,
-                       owned: Sequence[str]) -> None:
+                       recorded: dict[str, set[str]]) -> None:
   """Refuses a workdir of another config, or with outputs but no config."""
   path = os.path.join(root, "config.json")
   try:
@@ -636,7 +731,8 @@ def _check_config_json(root: str, wanted: dict, overwrite: bool,
         "--workdir.")
   if found is not None:
     found = canonical(found)
-  outputs = [n for n in _outputs(root, owned) if n != "config.json"]
+  outputs = [n for n in recorded["files"] | recorded["trees"] | {_FIXED[1]}
+             if n != "config.json" and os.path.lexists(os.path.join(root, n))]
   if overwrite or found == wanted or (found is None and not outputs):
     return
   if found is None:
@@ -650,62 +746,59 @@ def _check_config_json(root: str, wanted: dict, overwrite: bool,
                      "or pass --overwrite to replace them.")
 
 
-def _check_manifest(root: str, overwrite: bool) -> None:
-  """Refuses a damaged manifest; ``overwrite`` deletes it (with a warning)."""
+def _check_manifest(root: str, overwrite: bool) -> dict[str, set[str]]:
+  """The manifest's record; a damaged one is refused, or with ``overwrite``
+  deleted (with a warning) and taken as empty."""
   try:
-    _manifest(root)
+    return _manifest(root)
   except CorruptOutput:
     if not overwrite:
       raise
     os.remove(os.path.join(root, MANIFEST))
     logging.warning("--overwrite: %s was damaged and is deleted; files it "
-                    "listed beyond the driver's fixed names stay in %s.",
-                    MANIFEST, root)
+                    "listed beyond %s stay in %s.", MANIFEST,
+                    " and ".join(_FIXED), root)
+    return _manifest(root)
 
 
 @contextlib.contextmanager
 def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
-                  overwrite: bool = False, owned: Sequence[str] = ()
-                  ) -> Iterator[Workdir]:
+                  overwrite: bool = False) -> Iterator[Workdir]:
   """Holds ``workdir`` for one run of ``config``; yields its :class:`Workdir`.
 
-  In order: takes the lock (refused while another live run holds it), checks
-  the manifest, removes leftover ``.tmp-*`` files, refuses a different (or a
-  damaged) config unless ``overwrite``,
-  and with ``overwrite`` deletes what the driver wrote before (see the module
-  docstring) and only then writes ``config.json``: an interruption in between
-  leaves a workdir that resumes nothing stale. A matching config is left as
-  it is: the run resumes or skips finished work. The lock is released when
-  the block ends, also by an exception.
-
-  Args:
-    owned: names the driver writes other than through the :class:`Workdir`
-      (say a checkpoint folder), or did before the manifest existed; ``*``
-      matches within a name. ``overwrite`` deletes them too.
+  In order: makes the folder, takes the lock (refused while another run
+  holds it), checks the manifest, removes leftover ``.tmp-*`` files, refuses
+  a different (or a damaged) config unless ``overwrite``, and with
+  ``overwrite`` deletes what the driver wrote before (see the module
+  docstring) and only then writes ``config.json``: an interruption in
+  between leaves a workdir that resumes nothing stale. A matching config is
+  left as it is: the run resumes or skips finished work. The lock is
+  released when the block ends, also by an exception.
 
   Raises:
+    UnusableWorkdir: ``workdir`` is a file, or cannot be made, written or
+      locked.
     WorkdirInUse: another run holds the lock, or the workdir holds another
       config's outputs and ``overwrite`` is off.
     CorruptOutput: ``config.json`` or the manifest is damaged and
       ``overwrite`` is off.
   """
-  os.makedirs(workdir, exist_ok=True)
-  lock = _acquire_lock(workdir)
   try:
-    _check_manifest(workdir, overwrite)
-    _remove_leftover_tmp(workdir)
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as err:
+    raise _unusable(workdir, err) from None
+  with _locked(workdir):
+    recorded = _check_manifest(workdir, overwrite)
+    _remove_leftover_tmp(workdir, recorded)
     wanted = config_dict(config)
-    _check_config_json(workdir, wanted, overwrite, owned)
+    _check_config_json(workdir, wanted, overwrite, recorded)
     if overwrite:
-      deleted = _delete_outputs(workdir, owned)
+      deleted = _delete_outputs(workdir, recorded)
       if deleted:
         logging.info("--overwrite: deleted %s from %s", ", ".join(deleted),
                      workdir)
     write_json(os.path.join(workdir, "config.json"), wanted)
     yield Workdir(workdir, config)
-  finally:
-    _release_lock(workdir, lock)
-
 
 def per_kappa(config, wd: "Workdir", compute, *, name: str) -> list[dict]:
   """``compute(kappa, rng)`` for every ``config.kappas``, each saved as
@@ -786,6 +879,15 @@ def config_path(config_name: str) -> str:
                       f"{config_name}.py")
 
 
+def _no_such_field(err: LookupError | AttributeError, config_file: str
+                   ) -> str:
+  from ml_collections.config_flags import config_flags  # pylint: disable=g-import-not-at-top
+  fields = config_flags.ConfigFileFlagParser("config").parse(config_file)
+  return (f"unknown config field {str(err).strip(chr(34))}; the config's "
+          "fields are "
+          f"{', '.join(sorted(fields))}.")
+
+
 def define_flags(config_name: str) -> None:
   """The flags every driver takes; called only under ``__main__``.
 
@@ -797,8 +899,26 @@ def define_flags(config_name: str) -> None:
   one process.
   """
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  config_flags.DEFINE_config_file("config", default=config_path(config_name),
-                                  help_string="Config file (experiments/configs/*.py).")
+  # An unknown --config.FIELD raises AttributeError in ml_collections, here
+  # (the default config file) or when absl parses --config=FILE; either way
+  # it is reported in one line, without traceback.
+  default = config_path(config_name)
+  try:
+    holder = config_flags.DEFINE_config_file(
+        "config", default=default,
+        help_string="Config file (experiments/configs/*.py).")
+  except (AttributeError, KeyError) as err:
+    raise SystemExit(f"{config_name}: {_no_such_field(err, default)}") from None
+  flag = flags.FLAGS[holder.name]
+  parse = flag._parse  # pylint: disable=protected-access
+
+  def parse_naming_unknown_fields(argument):
+    try:
+      return parse(argument)
+    except (AttributeError, KeyError) as err:  # absl reports it in one line
+      raise flags.IllegalFlagValueError(_no_such_field(err, argument)) from None
+
+  flag._parse = parse_naming_unknown_fields  # pylint: disable=protected-access
   flags.DEFINE_string("workdir", None, "Where config.json, results and figures go.",
                       required=True)
   flags.DEFINE_bool("overwrite", False,
@@ -819,5 +939,5 @@ def run_main(argv, name: str, run, **kwargs):
   try:
     return run(config, flags.FLAGS.workdir, overwrite=flags.FLAGS.overwrite,
                **kwargs)
-  except (ConfigError, WorkdirInUse, CorruptOutput) as refusal:
+  except (ConfigError, WorkdirInUse, UnusableWorkdir, CorruptOutput) as refusal:
     raise SystemExit(f"{name}: {refusal}") from None

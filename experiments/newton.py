@@ -279,8 +279,7 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
   """
   validate(config)
   with jax.enable_x64(True), common.claim_workdir(
-      workdir, config, overwrite=overwrite,
-      owned=("partial_kappa*.json",)) as wd:
+      workdir, config, overwrite=overwrite) as wd:
     results = wd.results(lambda: {"config": common.config_dict(config),
                                   "per_kappa": _per_kappa(config, wd)},
                          name="newton")

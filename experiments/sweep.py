@@ -81,10 +81,6 @@ _METRICS = ("rel_err", "elsa_to_ridge", "gd_to_ridge")
 
 # What measure_task reports: the one relative error every driver shares.
 relative_error = common.relative_error
-# Names of earlier runs' files that --overwrite deletes though no manifest
-# lists them (written before the manifest existed).
-_OWNED = tuple(f"partial_{name}{tail}" for name in _FORM_CLASSES
-               for tail in (".json", "_items*-*.npz"))
 
 
 def make_form(name: str, config: ml_collections.ConfigDict):
@@ -446,8 +442,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   with common.float_dtype_enabled(config.dtype) as dtype:
     if jax.process_index() != 0:  # only process 0 claims and writes
       return _run(config, common.Workdir(workdir, config), dtype, writer=False)
-    with common.claim_workdir(workdir, config, overwrite=overwrite,
-                              owned=_OWNED) as wd:
+    with common.claim_workdir(workdir, config, overwrite=overwrite) as wd:
       return _run(config, wd, dtype, writer=True)
 
 

@@ -164,13 +164,47 @@ def _optimizer(*, learning_rate: float, steps: int, warmup_steps: int,
                             end_fraction=end_fraction, clip_norm=clip_norm)
 
 
-def _checkpointed(state, losses):
-  return {"state": jax.tree.leaves(state), "losses": losses}
+def _checkpointed(wd: common.Workdir, state, losses) -> dict[str, np.ndarray]:
+  """What a checkpoint holds: the state's leaves and the losses, tied to the
+  config like every output (:meth:`experiments.common.Workdir.seal`)."""
+  leaves = jax.tree.leaves(state)
+  return wd.seal({"losses": losses,
+                  **{f"state{i}": leaf for i, leaf in enumerate(leaves)}})
 
 
-def train_one(config, *, name: str, depth: int, folder: str,
+def _restore(manager, wd: common.Workdir, folder: str, state, losses):
+  """``(step, state, losses)`` of the last checkpoint in ``folder``, verified
+  as this config's, or ``(None, state, losses)`` when there is none.
+
+  Raises:
+    common.CorruptOutput: it cannot be read, is of another config or was
+      altered; naming it, and ``folder`` as the way out.
+  """
+  step = manager.latest_step()
+  if step is None:
+    return None, state, losses
+  path = os.path.join(folder, str(step))
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                        _checkpointed(wd, state, losses))
+  try:
+    restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+  except Exception as err:  # pylint: disable=broad-except
+    # orbax, tensorstore and decompression errors alike.
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    raise common.CorruptOutput(
+        f"{path!r} is not a readable checkpoint ({type(err).__name__}: "
+        f"{first_line[:200]}); " + common.way_out(folder)) from None
+  restored = wd.unseal(path, restored, remedy=folder)
+  leaves = [jnp.asarray(restored[f"state{i}"])
+            for i in range(len(jax.tree.leaves(state)))]
+  return (step, jax.tree.unflatten(jax.tree.structure(state), leaves),
+          restored["losses"])
+
+
+def train_one(config, *, name: str, depth: int, wd: common.Workdir,
               progress: common.Progress):
-  """Trains (or resumes, or loads) one model over the whole grid.
+  """Trains (or resumes, or loads) one model over the whole grid, checkpointed
+  in ``checkpoints/<name>_L<depth>/`` of ``wd``.
 
   Returns:
     the split with parameters stacked over the ``G`` grid points, the losses
@@ -185,16 +219,14 @@ def train_one(config, *, name: str, depth: int, folder: str,
   state = training.grid_init_state(
       split.params, tx, learning_rates=jnp.asarray([lr for lr, _ in points]))
   losses = np.full((len(points), config.steps), np.nan, DTYPE)
+  checkpoints = os.path.join("checkpoints", f"{name}_L{depth}")
+  wd.own(checkpoints, tree=True)
+  folder = wd.path(checkpoints)
   manager = ocp.CheckpointManager(
       os.path.abspath(folder),
       options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints))
-  start = manager.latest_step()
+  start, state, losses = _restore(manager, wd, folder, state, losses)
   if start is not None:
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                          _checkpointed(state, losses))
-    restored = manager.restore(start, args=ocp.args.StandardRestore(target))
-    state = jax.tree.unflatten(jax.tree.structure(state), restored["state"])
-    losses = np.asarray(restored["losses"])
     logging.info("%s: resumed at step %d", folder, start)
     progress.resumed(start * len(points))
   key = jax.random.fold_in(jax.random.key(config.seed), 10_000 + depth)
@@ -211,7 +243,7 @@ def train_one(config, *, name: str, depth: int, folder: str,
       timed_steps += chunk
       timed_seconds += time.perf_counter() - tic
     step += chunk
-    manager.save(step, args=ocp.args.StandardSave(_checkpointed(state,
+    manager.save(step, args=ocp.args.StandardSave(_checkpointed(wd, state,
                                                                 losses)))
     progress.update(chunk * len(points))
   manager.wait_until_finished()
@@ -411,8 +443,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     The results dict (what ``results.json`` holds).
   """
   validate(config)
-  with common.claim_workdir(workdir, config, overwrite=overwrite,
-                            owned=("checkpoints",)) as wd:
+  with common.claim_workdir(workdir, config, overwrite=overwrite) as wd:
     done = wd.read_json("results.json")
     if done is not None:
       logging.info("%s: results of this config exist; nothing to do.", workdir)
@@ -421,7 +452,6 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
 
 
 def _run(config: ml_collections.ConfigDict, wd: common.Workdir) -> dict:
-  workdir = wd.root
   start = time.perf_counter()
   points = grid(config)
   progress = common.Progress(
@@ -435,8 +465,7 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir) -> dict:
     ms_per_step[name] = []
     for depth in config.depths:
       split, losses, seconds = train_one(
-          config, name=name, depth=depth, progress=progress,
-          folder=os.path.join(workdir, "checkpoints", f"{name}_L{depth}"))
+          config, name=name, depth=depth, wd=wd, progress=progress)
       choice = _select(config, split, losses, val_task)
       index = choice.pop("index")
       if index is not None:

@@ -221,3 +221,21 @@ def test_x64_is_restored_after_the_run(tmp_path, monkeypatch):
     driver.run(algorithms_config.get_config("tiny"), str(tmp_path))
     assert not jax.config.jax_enable_x64
   assert seen == [True]
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("depth", 10**10, r"config\.depth must be an int in \[1, 1073741824\]"),
+    ("layer_budget", 2**40, r"config\.layer_budget must be an int in "),
+    ("interpreter_loops", 2**31, r"config\.interpreter_loops must be an int "),
+    ("seed", 10**23, r"config\.seed must be an int in \[0, "
+     r"9223372036854775807\]"),
+    ("depth", 10**9, r"config: .*depth.* need about .* GiB"),
+    ("tasks_per_kappa", 10**9, r"config: .*tasks_per_kappa.* need about"),
+])
+def test_sizes_and_indices_are_bounded_before_the_workdir_is_touched(
+    field, value, allowed):
+  config = algorithms_config.get_config("tiny")
+  config[field] = value
+  with pytest.raises(common.ConfigError, match=allowed) as err:
+    driver.validate(config)
+  assert "\n" not in str(err.value)

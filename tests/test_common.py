@@ -1,5 +1,6 @@
 """The workdir contract every driver shares (experiments/common.py)."""
 
+import contextlib
 import json
 import os
 import socket
@@ -44,7 +45,8 @@ def test_overwrite_deletes_only_what_the_driver_wrote(tmp_path):
     wd.write_json("partial_designed.json", {})
     wd.write_npz("partial_designed_items0-8.npz", {"a": np.zeros(3)})
     wd.save_figure(_figure(), "figures/a.png")
-    _write(wd.path("checkpoints/7/state"))  # written by other code
+    wd.own("checkpoints", tree=True)  # filled by other code
+    _write(wd.path("checkpoints/7/state"))
   mine = ["results_analysis/table.csv", "partial_derivatives.txt",
           "figures/mine.png", "config.json.bak", "notes.json"]
   for name in mine:
@@ -53,8 +55,7 @@ def test_overwrite_deletes_only_what_the_driver_wrote(tmp_path):
     with common.claim_workdir(workdir, _config(depth=4)):
       pass
   assert os.path.exists(os.path.join(workdir, "results.json"))
-  with common.claim_workdir(workdir, _config(depth=4), overwrite=True,
-                            owned=("checkpoints",)):
+  with common.claim_workdir(workdir, _config(depth=4), overwrite=True):
     pass
   left = sorted(os.path.relpath(os.path.join(folder, name), workdir)
                 for folder, _, names in os.walk(workdir) for name in names)
@@ -73,13 +74,18 @@ def test_overwrite_of_the_same_config_starts_afresh(tmp_path):
 
 
 def test_outputs_without_a_config_are_refused(tmp_path):
-  os.makedirs(tmp_path / "checkpoints")
+  with common.claim_workdir(str(tmp_path), _config()) as wd:
+    wd.own("checkpoints", tree=True)
+  os.remove(tmp_path / "config.json")
   with pytest.raises(common.WorkdirInUse, match="no config.json"):
-    with common.claim_workdir(str(tmp_path), _config(), owned=("checkpoints",)):
+    with common.claim_workdir(str(tmp_path), _config()):
       pass
-  # A folder of that name is nobody's until a driver declares it owned.
-  with common.claim_workdir(str(tmp_path), _config()):
-    pass
+  # A folder of that name is nobody's until a driver records making it.
+  os.remove(tmp_path / common.MANIFEST)
+  with common.claim_workdir(str(tmp_path), _config()) as wd:
+    with pytest.raises(common.WorkdirInUse, match="checkpoints' exists, but "
+                       "this driver did not make it"):
+      wd.own("checkpoints", tree=True)
 
 
 _HOLDER = """
@@ -116,27 +122,22 @@ def test_second_run_is_refused_while_the_first_holds_the_lock(tmp_path):
     pass
 
 
-def test_stale_lock_is_taken_over_and_a_foreign_host_is_refused(tmp_path):
+def test_a_lock_file_nobody_holds_is_free_and_one_process_claims_once(
+    tmp_path):
+  """The lock is the kernel's (``flock``), not the file's text: a lock file
+  of a run that is gone (an older version's, naming a dead pid or another
+  host) is free; a held one is refused, within one process too."""
   workdir = str(tmp_path)
-  gone = subprocess.Popen([sys.executable, "-c", "pass"])
-  gone.wait()
   lock = os.path.join(workdir, common.LOCK)
-  _write(lock, json.dumps(dict(pid=gone.pid, host=socket.gethostname())))
+  _write(lock, json.dumps(dict(pid=2 ** 22 + 1, host="elsewhere")))
   with common.claim_workdir(workdir, _config()):
     with open(lock, encoding="utf-8") as f:
-      assert json.load(f)["pid"] == os.getpid()
-  assert not os.path.exists(lock)
-  _write(lock, json.dumps(dict(pid=gone.pid, host="elsewhere")))
-  with pytest.raises(common.WorkdirInUse, match="host elsewhere.*delete the "
-                     "lock file"):
-    with common.claim_workdir(workdir, _config()):
-      pass
-  # The same process cannot hold one workdir twice either.
-  os.remove(lock)
-  with common.claim_workdir(workdir, _config()):
+      assert f.read().startswith(f"pid {os.getpid()} on host "
+                                 f"{socket.gethostname()} since ")
     with pytest.raises(common.WorkdirInUse, match=f"pid {os.getpid()}"):
       with common.claim_workdir(workdir, _config()):
         pass
+  assert not os.path.exists(lock)
 
 
 def test_outputs_are_tied_to_their_config_and_content(tmp_path):
@@ -172,7 +173,7 @@ def test_outputs_are_tied_to_their_config_and_content(tmp_path):
     ("config.json", None, "config.json' is damaged.*nothing says which "
      "config.*--overwrite"),
     ("config.json", "[1, 2]", "config.json' is damaged"),
-    (common.MANIFEST, None, "outputs.json', the list of what the driver "
+    (common.MANIFEST, None, "outputs.json', the record of what the driver "
      "wrote.*damaged.*--overwrite"),
     (common.MANIFEST, '["results.json", "../elsewhere"]', "is damaged"),
 ])
@@ -316,3 +317,168 @@ def _figure():
   fig = Figure()
   fig.add_subplot().plot([0, 1])
   return fig
+
+
+def _manifest(workdir, names):
+  common.write_json(os.path.join(workdir, common.MANIFEST), names)
+
+
+def test_overwrite_never_follows_a_symlink_out_of_the_workdir(tmp_path):
+  """Manifest entries that pass through a link (``link_out -> elsewhere``):
+  nothing outside is deleted; a ``..`` component makes the manifest damaged;
+  a recorded name that became a link is removed as a link; a recorded file
+  that became a folder is not the driver's and stays."""
+  workdir, elsewhere = str(tmp_path / "run"), tmp_path / "elsewhere"
+  outside = [elsewhere / "f.txt", tmp_path / "x", elsewhere / "a" / "g.txt",
+             elsewhere / "a" / ".tmp-abcdefghg.txt", elsewhere / "precious"]
+  for path in outside:
+    _write(str(path))
+  with common.claim_workdir(workdir, _config()) as wd:
+    wd.write_json("results.json", {})
+    wd.write_json("notes/a.json", {})
+  os.symlink(elsewhere, os.path.join(workdir, "link_out"))
+  os.remove(os.path.join(workdir, "results.json"))
+  os.symlink(elsewhere / "precious", os.path.join(workdir, "results.json"))
+  os.remove(os.path.join(workdir, "notes", "a.json"))
+  _write(os.path.join(workdir, "notes", "a.json", "mine.txt"))
+  # A list of names: the manifest of earlier versions, still read.
+  _manifest(workdir, ["results.json", "notes/a.json", "link_out/f.txt",
+                      "link_out/a/g.txt"])
+  with common.claim_workdir(workdir, _config(), overwrite=True):
+    pass
+  _manifest(workdir, ["link_out/../x"])
+  with pytest.raises(common.CorruptOutput, match="outputs.json'.*damaged"):
+    with common.claim_workdir(workdir, _config()):
+      pass
+  with common.claim_workdir(workdir, _config(), overwrite=True):
+    pass
+  for path in outside:
+    assert path.exists(), path
+  assert not os.path.lexists(os.path.join(workdir, "results.json"))
+  assert os.path.islink(os.path.join(workdir, "link_out"))
+  assert os.path.exists(os.path.join(workdir, "notes", "a.json", "mine.txt"))
+
+
+def test_the_driver_never_writes_through_a_symlink(tmp_path):
+  workdir, elsewhere = str(tmp_path / "run"), tmp_path / "elsewhere"
+  os.makedirs(elsewhere)
+  os.makedirs(workdir)
+  os.symlink(elsewhere, os.path.join(workdir, "figures"))
+  with common.claim_workdir(workdir, _config()) as wd:
+    with pytest.raises(common.WorkdirInUse, match="figures.*symlink"):
+      wd.write_json("figures/a.json", {})
+  assert not os.listdir(elsewhere)
+
+
+class _Stop(Exception):
+  """Ends a driver run right after its claim of the workdir."""
+
+
+def _claimed_then_stopped(real_claim):
+  @contextlib.contextmanager
+  def claim(*args, **kwargs):
+    with real_claim(*args, **kwargs):
+      raise _Stop
+    yield  # never reached
+  return claim
+
+
+def _driver_runs():
+  # pylint: disable=g-import-not-at-top
+  from experiments import algorithms, newton, sweep, train
+  from experiments.configs import algorithms as algorithms_config
+  from experiments.configs import newton as newton_config
+  from experiments.configs import sweep as sweep_config
+  from experiments.configs import train as train_config
+  return {
+      "sweep": (sweep.run, sweep_config.get_config("tiny"),
+                ["partial_designed_items_mybackup-old.npz",
+                 "partial_natural_items0-8.npz/mine.txt",
+                 "partial_designed.json.bak"]),
+      "train": (train.run, train_config.get_config("tiny"),
+                ["checkpoints/README_mine.txt",
+                 "checkpoints/elsa_trained_L1_old/mine.txt"]),
+      "algorithms": (algorithms.run, algorithms_config.get_config("tiny"),
+                     ["partial_kappa_backup.json/mine.txt",
+                      "partial_kappa7.json"]),
+      "newton": (newton.run, newton_config.get_config("tiny"),
+                 ["partial_kappa_backup.json/mine.txt",
+                  "partial_kappa7.json"]),
+  }
+
+
+@pytest.mark.parametrize("driver", ["sweep", "train", "algorithms", "newton"])
+def test_overwrite_keeps_user_files_that_look_like_a_drivers(
+    tmp_path, monkeypatch, driver):
+  """Ownership is by record: files and folders the driver never wrote stay,
+  whatever their names."""
+  run, config, mine = _driver_runs()[driver]
+  monkeypatch.setattr(common, "claim_workdir",
+                      _claimed_then_stopped(common.claim_workdir))
+  workdir = str(tmp_path / "run")
+  with pytest.raises(_Stop):
+    run(config, workdir)
+  for name in mine:
+    _write(os.path.join(workdir, name))
+  with pytest.raises(_Stop):
+    run(config, workdir, overwrite=True)
+  for name in mine:
+    assert os.path.exists(os.path.join(workdir, name)), name
+
+
+def test_a_lock_is_free_once_its_process_is_gone(tmp_path):
+  """The kernel holds the lock (``flock``): a killed holder releases it, and
+  a leftover lock temporary file of an older version is cleaned."""
+  workdir = str(tmp_path)
+  holder = subprocess.Popen([sys.executable, "-c", _HOLDER, workdir], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+  assert holder.stdout.readline() == "held\n"
+  holder.kill()
+  holder.wait(timeout=60)
+  leftover = os.path.join(workdir, ".tmp-k2j4x9a_.elsa-lock")
+  _write(leftover, "{}")
+  with common.claim_workdir(workdir, _config()):
+    pass
+  assert not os.path.exists(leftover)
+
+
+def _unwritable_folder(tmp_path) -> str:
+  """A folder no file can be created in: read-only, or (as root, who writes
+  anywhere) sysfs."""
+  folder = tmp_path / "read_only"
+  folder.mkdir()
+  folder.chmod(0o555)
+  try:
+    _write(str(folder / "probe"))
+  except PermissionError:
+    return str(folder)
+  os.remove(folder / "probe")
+  if not os.path.isdir("/sys"):
+    pytest.skip("no folder this user cannot write to")
+  return "/sys"
+
+
+def test_an_unusable_workdir_is_reported_in_one_line(tmp_path):
+  a_file = tmp_path / "a_file"
+  _write(str(a_file))
+  for workdir, message in (
+      (str(a_file), "a_file' is not a folder"),
+      (str(a_file / "run"), "a_file/run' cannot be created"),
+      (_unwritable_folder(tmp_path), "cannot be written")):
+    with pytest.raises(common.UnusableWorkdir, match=message) as err:
+      with common.claim_workdir(workdir, _config()):
+        pass
+    assert "\n" not in str(err.value) and "--workdir" in str(err.value)
+
+
+def test_an_unknown_config_field_is_reported_in_one_line(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.newton", "--config.bogus_field=1",
+       f"--workdir={tmp_path / 'run'}"], cwd=REPO, capture_output=True,
+      text=True, timeout=120, check=False)
+  assert proc.returncode != 0
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  (line,) = [l for l in proc.stderr.splitlines() if "bogus_field" in l]
+  assert "kappas" in line  # the fields there are
+  assert not os.path.exists(tmp_path / "run")

@@ -207,3 +207,83 @@ def test_bad_config_is_refused_before_the_workdir_is_touched(
   with pytest.raises(common.ConfigError, match=pattern):
     train.run(config, str(workdir))
   assert not workdir.exists()
+
+
+def _checkpoint_config(seed: int):
+  config = _config()
+  config.seed = seed
+  config.models = ("elsa_trained",)
+  config.learning_rates = (1e-2,)
+  return config
+
+
+def _train_only(monkeypatch):
+  """train.run without the evaluation and figures (the checkpoints are the
+  point here)."""
+  monkeypatch.setattr(train, "_evaluate_all", lambda config, trained, etas: {
+      "test_loss": {name: [1.0] for name in (*config.models, "gd_best_eta")}})
+  monkeypatch.setattr(train, "_write_figures", lambda results, wd: None)
+
+
+def test_a_foreign_or_damaged_checkpoint_is_refused_by_name(tmp_path,
+                                                            monkeypatch):
+  """A checkpoint of another config (seed 1 copied into a seed-0 workdir) or
+  with zeroed bytes is refused, naming it and the way out; the way out
+  works."""
+  _train_only(monkeypatch)
+  mine, other = str(tmp_path / "seed0"), str(tmp_path / "seed1")
+  train.run(_checkpoint_config(0), mine)
+  train.run(_checkpoint_config(1), other)
+  folder = os.path.join("checkpoints", "elsa_trained_L1")
+  step = os.path.join(mine, folder, "20")
+  shutil.rmtree(step)
+  shutil.copytree(os.path.join(other, folder, "20"), step)
+  os.remove(os.path.join(mine, "results.json"))
+  with pytest.raises(common.CorruptOutput,
+                     match=f"elsa_trained_L1/20' was written by another "
+                     f"config.*delete '.*{folder}'.*--overwrite") as err:
+    train.run(_checkpoint_config(0), mine)
+  assert "\n" not in str(err.value)
+  # Zeroed bytes: every file of the last step.
+  step = os.path.join(other, folder, "20")
+  for parent, _, names in os.walk(step):
+    for name in names:
+      path = os.path.join(parent, name)
+      with open(path, "r+b") as f:
+        f.write(bytes(os.path.getsize(path)))
+  os.remove(os.path.join(other, "results.json"))
+  with pytest.raises(common.CorruptOutput,
+                     match=f"elsa_trained_L1/20' .*not a readable checkpoint"
+                     f".*delete '.*{folder}'") as err:
+    train.run(_checkpoint_config(1), other)
+  assert "\n" not in str(err.value)
+  shutil.rmtree(os.path.join(other, folder))  # the way out
+  train.run(_checkpoint_config(1), other)
+  assert _checkpoints(other) == ["10", "20"]
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    ("x_dist", "gaussian", r"config\.x_dist must be one of \['normal', "),
+    ("shifts", {"x_laplace": {"x_dist": "laplce"}},
+     r"config\.shifts\.x_laplace\.x_dist must be one of \['normal', "),
+    ("shifts", {"wide": {"x_scael": 2.0}},
+     r"config\.shifts\.wide\.x_scael is not a shift field; a shift sets "),
+    ("shifts", {"wide": {"x_scale": -2.0}},
+     r"config\.shifts\.wide\.x_scale must be a finite number > 0"),
+    ("shifts", {"noisy": {"noise_labels": "yes"}},
+     r"config\.shifts\.noisy\.noise_labels must be True or False"),
+    ("tokens", "mixed", r"config\.tokens must be one of"),
+    ("n_train", 10**7, r"config: .*n_train.* need about .* GiB"),
+    ("batch", 10**8, r"config: .*batch.* need about .* GiB"),
+    ("n_test", 10**8, r"config: .*n_test.* need about .* GiB"),
+    ("depths", (1, 10**6), r"config: .*depths.* need about .* GiB"),
+])
+def test_every_field_is_checked_before_the_workdir_is_claimed(
+    tmp_path, field, value, pattern):
+  config = _config()
+  config[field] = value
+  if field == "n_test":
+    config.eval_chunk = value
+  with pytest.raises(common.ConfigError, match=pattern) as err:
+    train.validate(config)
+  assert "\n" not in str(err.value)
