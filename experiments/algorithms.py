@@ -413,27 +413,44 @@ def validate(config: ml_collections.ConfigDict) -> None:
     experiments.common.ConfigError: a field outside its range, a NaN or inf,
       an unknown algorithm, an empty tuple, or a budget with no loop.
   """
-  common.check_int(config, "seed", low=0)
+  common.check_seed(config)
   common.check_items(config, "algorithms",
                      choices=tuple(algorithms_lib.ALGORITHMS))
   kappas = common.check_items(config, "kappas", low=1)
-  for field in ("d", "n_query", "tasks_per_kappa", "depth",
-                "interpreter_loops"):
+  for field in ("d", "n_query", "tasks_per_kappa"):
     common.check_int(config, field)
+  # Layer counts index int32 arrays (the layer loop's counter, the error
+  # buffer); set-up layers are added to them.
+  for field, low in (("depth", 1), ("interpreter_loops", 1),
+                     ("layer_budget", 3), ("layer_budget_float32", 3)):
+    common.check_int(config, field, low=low, high=_MAX_LAYERS)
   common.check_int(config, "n_train", low=config.d)
-  common.check_int(config, "layer_budget", low=3)
-  common.check_int(config, "layer_budget_float32", low=3)
   common.check_float(config, "lam", low=0, high=1 / max(kappas),
                      high_open=True)
   common.check_float(config, "noise", low=0)
   for field in ("tol", "tol_float32"):
     common.check_float(config, field, low=0, high=1, low_open=True,
                        high_open=True)
-  # The error buffers: per algorithm, tasks x budget floats (tiny); the
-  # stack's parameters are one layer's, built inside the loop.
-  common.check_fits(8 * 4 * config.tasks_per_kappa * len(config.algorithms)
-                    * max(config.layer_budget, config.layer_budget_float32),
-                    fields="tasks_per_kappa and layer_budget")
+  common.check_fits(bytes_needed(config), fields=(
+      "tasks_per_kappa, n_train, d, n_query, depth, layer_budget, "
+      "layer_budget_float32 and interpreter_loops"))
+
+
+_MAX_LAYERS = 2 ** 30
+
+
+def bytes_needed(config) -> int:
+  """About what a run holds at once, in float64: per algorithm and task, the
+  error buffer over its layer budget (a few copies), its step schedules, and
+  the interpreter's value of every block after every layer it runs."""
+  total = 0
+  for name in config.algorithms:
+    blocks = sum(rows * cols for rows, cols in (
+        b.shape for b in build_program(name, config).blocks.values()))
+    budget = max(_layer_budget(name, dtype, config, 0) for dtype in DTYPES)
+    interpreted = min(config.interpreter_loops, budget) + 1
+    total += 3 * budget + 2 * _budget(name, config) + interpreted * blocks
+  return 8 * config.tasks_per_kappa * total
 
 
 def _per_kappa(config, wd: common.Workdir, runners: dict) -> list[dict]:

@@ -82,17 +82,22 @@ def _spec(config, **shift) -> training.TaskSpec:
                            noise=config.noise, tokens=config.tokens, **fields)
 
 
+# What a shift (``config.shifts.NAME``) may set: the tasks' distribution,
+# never their shape.
+SHIFT_FIELDS = ("x_scale", "w_scale", "x_skew", "x_dist", "noise_labels")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Every field in its range, before the workdir is touched.
+  """Every field in its range, shifts included, and a run that fits in
+  memory, before the workdir is touched.
 
   Raises:
-    common.ConfigError: naming the field and the allowed range.
+    common.ConfigError: naming the field and what is allowed.
   """
   common.check_seed(config)
   common.check_items(config, "models", choices=tuple(MODELS))
-  if config.tokens not in training.TOKENS:
-    raise common.ConfigError(f"config.tokens must be one of {training.TOKENS}, "
-                             f"got {config.tokens!r}.")
+  common.check_choice(config, "tokens", training.TOKENS)
+  common.check_choice(config, "x_dist", training.X_DISTRIBUTIONS)
   common.check_items(config, "depths", integer=True, low=1)
   for field in ("n_train", "d", "components", "steps", "batch", "log_every",
                 "checkpoint_every", "keep_checkpoints", "eta_grid"):
@@ -120,6 +125,55 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise common.ConfigError(
         f"config.log_every must divide config.steps ({config.steps}), got "
         f"{config.log_every}.")
+  for name, shift in config.shifts.items():
+    _check_shift(name, shift)
+  common.check_fits(bytes_needed(config), fields=(
+      "n_train, d, n_query, depths, components, inner, batch, n_test, "
+      "eval_chunk, eta_grid, steps and the grid"))
+
+
+def _check_shift(name: str, shift) -> None:
+  if not isinstance(shift, (dict, ml_collections.ConfigDict)):
+    raise common.ConfigError(f"config.shifts.{name} must be a dict of shift "
+                             f"fields ({', '.join(SHIFT_FIELDS)}), got "
+                             f"{shift!r}.")
+  for field, value in shift.items():
+    where = f"shifts.{name}.{field}"
+    one = {where: value}  # the checks read config[field] and name the field
+    if field in ("x_scale", "w_scale"):
+      common.check_float(one, where, low=0, low_open=True)
+    elif field == "x_skew":
+      common.check_float(one, where)
+    elif field == "x_dist":
+      common.check_choice(one, where, training.X_DISTRIBUTIONS)
+    elif field == "noise_labels" and not isinstance(value, bool):
+      raise common.ConfigError(f"config.{where} must be True or False, got "
+                               f"{value!r}.")
+    elif field not in SHIFT_FIELDS:
+      raise common.ConfigError(f"config.{where} is not a shift field; a shift "
+                               f"sets {', '.join(SHIFT_FIELDS)}.")
+
+
+def bytes_needed(config: ml_collections.ConfigDict) -> int:
+  """About what a run holds at once, in float32 (within a few times): the
+  test, validation and one shifted set of tasks; one grid point's training
+  batch with every layer's state and projections (kept for the gradient);
+  one evaluation chunk of every model with its input gradient; GD's
+  step-size grid; the grid's parameters with Adam's moments; the losses."""
+  form = _spec(config).model_tokens()
+  depth, k = max(config.depths), config.inner or form.n
+  per_layer = config.components * (form.m * (form.n + 3 * k) + k * k)
+  tasks = 3 * config.n_test * (config.n_train + config.n_query) * (config.d
+                                                                   + 1)
+  train_batch = 3 * config.batch * (depth + 1) * per_layer
+  evaluation = (3 * len(config.models) * min(config.eval_chunk, config.n_test)
+                * (depth + 1) * per_layer)
+  eta_grid = config.eta_grid * config.n_test * (config.d + config.n_query)
+  points = len(config.learning_rates) * len(config.init_scales)
+  params = 3 * points * depth * config.components * (3 * k * (form.n + 1)
+                                                     + form.m)
+  losses = points * config.steps * len(config.models) * len(config.depths)
+  return 4 * (tasks + train_batch + evaluation + eta_grid + params + losses)
 
 
 def grid(config) -> list[tuple[float, float]]:
