@@ -4,26 +4,22 @@ A driver validates its config (:class:`ConfigError`, before anything is
 written), then claims ``--workdir`` with :func:`claim_workdir` and writes
 through the :class:`Workdir` it gets. The workdir then guarantees:
 
-* Atomic files. Every write goes to a temporary ``.tmp-*`` file in the same
-  folder and is renamed into place, so a killed run never leaves a
-  half-written file; leftover ``.tmp-*`` files are removed by the next claim.
-* One run at a time. The claim holds ``.elsa-lock`` with ``flock`` until the
-  run ends; a second claim is refused while it is held, and the kernel
-  releases it when the holder's process ends, however it ends.
-* One config. ``config.json`` holds the config in canonical form (NaN as
-  ``"nan"``, so a NaN equals itself; numbers by value, ``0`` as ``0.0``); a
-  different config is refused unless ``overwrite``. Every output written
-  through the workdir (train's checkpoints too) carries the config's hash
-  and a checksum of its content, verified when read: a file of another
-  config, altered or truncated is reported, naming the file and the way
-  out, and never used.
-* Ownership by record. Every write is recorded first in the manifest
-  ``.elsa-outputs.json``, and never passes through a symlink. ``overwrite``
-  starts afresh: it deletes what the manifest records (and ``config.json``,
-  ``results.json``), reached part by part without following a symlink (a
-  link is removed as a link), a folder only if the driver made it; every
-  other file stays, whatever its name. A damaged manifest (or
-  ``config.json``) is refused by name, and ``overwrite`` clears it.
+* Atomic files: each is written to a ``.tmp-*`` file and renamed into place;
+  leftover ``.tmp-*`` files of a killed run are removed by the next claim.
+* One run at a time: the claim holds ``.elsa-lock`` (``flock``, which the
+  kernel releases when the process ends, however it ends).
+* One config: ``config.json`` holds it in canonical form (NaN as ``"nan"``,
+  numbers by value); another config is refused unless ``overwrite``. Every
+  output (train's checkpoints too) carries the config's hash and a checksum
+  of its content, verified when read: one of another config, altered or
+  truncated is refused, naming the file and the way out.
+* Ownership by record: each write is first recorded in the manifest
+  ``.elsa-outputs.json`` and never passes through a symlink. ``overwrite``
+  deletes what the manifest records (and ``config.json``, ``results.json``),
+  reached without following a symlink (a link is removed as a link), a
+  folder only if the driver made it for other code to fill; every other
+  file stays, whatever its name. A damaged manifest (or ``config.json``) is
+  refused by name, and ``overwrite`` clears it.
 """
 
 from __future__ import annotations
@@ -131,10 +127,8 @@ def check_items(config, field: str, *, integer: bool = False,
   """``config[field]``, a tuple (or list) of distinct items that each pass the check.
 
   Items are strings from ``choices`` if given, else numbers (ints if
-  ``integer``) in the range given as ``low``/``high``/``low_open``/
-  ``high_open``, as :func:`check_float`. An item given twice is refused: a
-  grid axis lists each value once (a repeat would repeat its results under
-  one key).
+  ``integer``) in the range ``low``/``high``/``low_open``/``high_open`` of
+  :func:`check_float`. A repeat is refused: a grid axis lists each value once.
   """
   items = config[field]
   if not isinstance(items, (tuple, list)) or (not items and not allow_empty):
@@ -173,10 +167,8 @@ def memory_bytes() -> int:
 
 
 def check_fits(nbytes: float, *, fields: str) -> None:
-  """Refuses a config whose arrays (``nbytes``, estimated) exceed :func:`memory_bytes`.
-
-  Fails here, in one line, rather than inside XLA mid-run.
-  """
+  """Refuses, in one line rather than inside XLA mid-run, a config whose
+  arrays (``nbytes``, estimated) exceed :func:`memory_bytes`."""
   limit = memory_bytes()
   if nbytes > limit:
     raise ConfigError(f"config: {fields} need about {nbytes / 2**30:.3g} GiB, "
@@ -213,10 +205,8 @@ def _digest(obj: Any) -> str:
 
 
 def _numbers_alike(obj: Any) -> Any:
-  """``obj`` with ints as floats where that is exact (bools stay bools): what
-  the hash sees, so that ``0`` and ``0.0``, equal in the comparison of
-  ``config.json``, also hash alike (``--config.lams='(0, 0.1)'`` then resumes
-  a run of ``(0.0, 0.1)``)."""
+  """``obj`` with ints as floats where exact (bools stay bools), as the hash
+  sees it: ``--config.lams='(0, 0.1)'`` resumes a run of ``(0.0, 0.1)``."""
   if isinstance(obj, bool):
     return obj
   if isinstance(obj, int):
@@ -332,45 +322,26 @@ LOCK = ".elsa-lock"
 MANIFEST = ".elsa-outputs.json"
 _CHECK = "_check"  # key of the config hash and checksum in a JSON output
 _NPZ_HASH, _NPZ_SUM = "__config_hash__", "__sha256__"
-# The names every driver writes: overwrite deletes them (regular files only)
-# even when the manifest that records the rest is damaged.
+# Every driver writes these: overwrite deletes them even without a manifest.
 _FIXED = ("config.json", "results.json")
-# What the manifest records: files the driver wrote, folders other code
-# fills for it (deleted whole), folders it made on the way (deleted if empty).
-_KINDS = ("files", "trees", "folders")
 
 
 class WorkdirInUse(ValueError):
-  """Another run holds the workdir, it holds another config's results, or
-  something the driver did not make is in the way of a write."""
+  """Another run holds the workdir, or other files are in the way."""
 
 
 class UnusableWorkdir(ValueError):
-  """``--workdir`` is not a folder this process can create, write and lock."""
-
-
-def _uint8(text: str) -> np.ndarray:
-  return np.frombuffer(text.encode(), np.uint8)
-
-
-def _text(array) -> str:
-  """A hash stored by :meth:`Workdir.seal` (uint8), or by earlier versions
-  (a numpy string)."""
-  array = np.asarray(array)
-  return bytes(array).decode() if array.dtype == np.uint8 else str(array)
+  """``--workdir`` is not a folder this process can make, write and lock."""
 
 
 class Workdir:
   """A driver's view of its workdir: every output tied to one config.
 
-  JSON outputs are objects; they are stored with an extra key ``"_check"``
-  (the config hash and a SHA-256 of the rest), ``.npz`` outputs (and train's
-  checkpoints) with two extra arrays (:meth:`seal`), and read back verified,
-  without them. Writes are atomic, recorded in the manifest before they
-  happen, so ``overwrite`` can delete exactly them, and never pass through a
-  symlink. Build one with :func:`claim_workdir` to write;
-  ``Workdir(path, config)`` alone only reads (other processes of a
-  multi-host run).
+  JSON outputs (objects) get an extra key ``"_check"``, the config hash and
+  a SHA-256 of the rest; ``.npz`` outputs and checkpoints two extra arrays
+  (:meth:`seal`); reads verify and drop them. Build one with
+  :func:`claim_workdir` to write; ``Workdir(path, config)`` alone only reads
+  (other processes of a multi-host run).
   """
 
   def __init__(self, root: str, config: ml_collections.ConfigDict):
@@ -384,42 +355,31 @@ class Workdir:
     return os.path.exists(self.path(name))
 
   def own(self, name: str, *, tree: bool = False) -> None:
-    """Records ``name`` as this driver's, for ``overwrite`` to delete, and
-    makes the folders on its way (recorded too).
-
-    ``tree``: ``name`` is a folder that other code fills (a checkpoint
-    manager), made here and deleted whole by ``overwrite``; one that exists
-    but is not recorded is not the driver's, and is refused.
+    """Records the file ``name`` as this driver's (for ``overwrite`` to
+    delete) and makes the folders on its way; ``tree``: a folder that other
+    code fills (a checkpoint manager), made here, deleted whole.
 
     Raises:
       ValueError: ``name`` is not a relative path inside the workdir.
-      WorkdirInUse: a symlink or a file is on its way, a folder is at the
-        name of a file, or the tree exists and is not the driver's.
+      WorkdirInUse: a symlink or a file on its way; a folder the driver did
+        not make at ``name``.
     """
     if not _inside(name):
       raise ValueError(f"Workdir.own: {name!r} is not a path inside the "
                        "workdir (relative, normalised, without '..').")
-    recorded = _manifest(self.root)
-    folder = name if tree else os.path.dirname(name)
-    parts = folder.split(os.sep) if folder else []
-    new = {os.sep.join(parts[:i]) for i in range(1, len(parts) + 1)}
-    new = {n for n in new if not os.path.lexists(self.path(n))}
-    if tree and name not in new | recorded["trees"]:
-      raise WorkdirInUse(
-          f"{self.path(name)!r} exists, but this driver did not make it (it "
-          f"is not in {MANIFEST}); move it away, or use another --workdir.")
-    if not tree and os.path.isdir(self.path(name)):
-      raise WorkdirInUse(f"{self.path(name)!r} is a folder this driver did "
-                         "not make, where it writes a file; move it away, or "
-                         "use another --workdir.")
-    wanted = {"files": recorded["files"] | ({name} - {folder}),
-              "trees": recorded["trees"] | ({name} & {folder} if tree
-                                            else set()),
-              "folders": recorded["folders"] | (new - {name})}
-    if wanted != recorded:  # recorded before it exists: a kill leaves no orphan
-      write_json(self.path(MANIFEST), {k: sorted(wanted[k]) for k in _KINDS})
+    recorded, kind = _manifest(self.root), "trees" if tree else "files"
+    if name not in recorded[kind]:
+      if (os.path.lexists if tree else os.path.isdir)(self.path(name)):
+        raise WorkdirInUse(f"{self.path(name)!r} is in the way: this driver "
+                           "did not make it. Move it away, or use another "
+                           "--workdir.")
+      recorded[kind].add(name)  # before it exists: a kill leaves no orphan
+      write_json(self.path(MANIFEST), {k: sorted(v) for k, v in
+                                       recorded.items()})
     try:
-      os.close(_open_folder(self.root, folder, make=True))
+      with _folder(self.root, name if tree else os.path.dirname(name),
+                   make=True):
+        pass
     except OSError as err:
       raise WorkdirInUse(
           f"cannot write {name!r} in workdir {self.root!r}: a folder on its "
@@ -438,30 +398,22 @@ class Workdir:
         config_hash=self.config_hash, sha256=_digest(obj))})
 
   def read_json(self, name: str) -> dict | None:
-    """What :meth:`write_json` wrote as ``name``, verified; ``None`` if absent.
-
-    Raises:
-      CorruptOutput: not valid JSON, altered, or of another config.
-    """
+    """What :meth:`write_json` wrote as ``name``, verified (else
+    :class:`CorruptOutput`); ``None`` if absent."""
     path = self.path(name)
     obj = read_json(path)
     if obj is None:
       return None
     check = obj.pop(_CHECK, None) if isinstance(obj, dict) else None
-    if not isinstance(check, dict):
-      raise CorruptOutput(f"{path!r} has no config hash and checksum, so it "
-                          "cannot be trusted; " + way_out(path))
+    check = check if isinstance(check, dict) else {}
     self._verify(path, check.get("config_hash"),
-                 check.get("sha256") == _digest(obj), remedy=path)
+                 check.get("sha256") == _digest(obj))
     return obj
 
   def results(self, compute, *, name: str) -> dict:
-    """``results.json`` of a finished run, else ``compute()`` written as it.
-
-    ``results.json`` is written last, so its presence means the run is
-    complete; the returned dict has JSON nulls for non-finite numbers either
-    way (:func:`finite_or_none`). ``name``: the driver, for the log line.
-    """
+    """``results.json`` of a finished run (written last: its presence means
+    complete), else ``compute()`` written as it; non-finite numbers as JSON
+    nulls either way. ``name``: the driver, for the log line."""
     found = self.read_json("results.json")
     if found is not None:
       logging.info("%s: %s holds finished results; nothing to compute.", name,
@@ -472,31 +424,26 @@ class Workdir:
     return results
 
   def seal(self, arrays: dict[str, Any]) -> dict[str, np.ndarray]:
-    """``arrays`` (as numpy) plus the config hash and a SHA-256 of their
-    content, as two uint8 arrays (any array store keeps them)."""
+    """``arrays`` (numpy) and, as uint8 arrays, the config hash and a SHA-256
+    of their content."""
     arrays = {k: np.asarray(v) for k, v in arrays.items()}
-    return {**arrays, _NPZ_HASH: _uint8(self.config_hash),
-            _NPZ_SUM: _uint8(_array_digest(arrays))}
+    as_bytes = lambda text: np.frombuffer(text.encode(), np.uint8)
+    return {**arrays, _NPZ_HASH: as_bytes(self.config_hash),
+            _NPZ_SUM: as_bytes(_array_digest(arrays))}
 
   def unseal(self, path: str, arrays: dict[str, Any], *,
              remedy: str | None = None) -> dict[str, np.ndarray]:
-    """What :meth:`seal` gave, read back from ``path``: verified, without the
-    two extra arrays.
-
-    Raises:
-      CorruptOutput: they are missing, of another config, or the content
-        differs; naming ``path`` and the way out (delete ``remedy``,
-        default ``path``).
-    """
+    """What :meth:`seal` returned, read back from ``path``: verified, else
+    :class:`CorruptOutput` names ``path`` and the way out (delete
+    ``remedy``, default ``path``)."""
     arrays = {k: np.asarray(v) for k, v in arrays.items()}
-    found_hash, found_sum = arrays.pop(_NPZ_HASH, None), arrays.pop(_NPZ_SUM,
-                                                                    None)
-    if found_hash is None or found_sum is None:
-      raise CorruptOutput(f"{path!r} has no config hash and checksum, so it "
-                          "cannot be trusted; " + way_out(remedy or path))
-    self._verify(path, _text(found_hash),
-                 _text(found_sum) == _array_digest(arrays),
-                 remedy=remedy or path)
+    # uint8, or a numpy string as earlier versions stored it.
+    text = lambda a: bytes(a).decode() if a.dtype == np.uint8 else str(a)
+    found = [arrays.pop(k, None) for k in (_NPZ_HASH, _NPZ_SUM)]
+    found_hash, found_sum = (None, None) if any(
+        f is None for f in found) else map(text, found)
+    self._verify(path, found_hash, found_sum == _array_digest(arrays),
+                 remedy=remedy)
     return arrays
 
   def write_npz(self, name: str, arrays: dict[str, np.ndarray]) -> None:
@@ -525,86 +472,68 @@ class Workdir:
     save_figure(fig, self.path(name))
 
   def _verify(self, path: str, found_hash, content_ok: bool, *,
-              remedy: str) -> None:
+              remedy: str | None = None) -> None:
+    remedy = way_out(remedy or path)
+    if not found_hash:
+      raise CorruptOutput(f"{path!r} has no config hash and checksum, so it "
+                          "cannot be trusted; " + remedy)
     if found_hash != self.config_hash:
       raise CorruptOutput(f"{path!r} was written by another config (hash "
                           f"{found_hash}, this config {self.config_hash}); "
-                          + way_out(remedy))
+                          + remedy)
     if not content_ok:
       raise CorruptOutput(f"{path!r} fails its checksum: it was altered or "
-                          "damaged after it was written; " + way_out(remedy))
+                          "damaged after it was written; " + remedy)
 
 
 def _inside(name) -> bool:
-  """Whether ``name`` is a relative, normalised path below the workdir
-  without ``..`` (what a manifest may list): resolved part by part without
-  following a symlink (:func:`_open_folder`), it stays inside."""
-  if not isinstance(name, str) or not name or os.path.isabs(name):
-    return False
-  return (os.path.normpath(name) == name and name != "."
+  """Whether ``name`` (in a manifest) is relative, normalised, without ``..``."""
+  return (isinstance(name, str) and bool(name) and not os.path.isabs(name)
+          and os.path.normpath(name) == name and name != "."
           and ".." not in name.split(os.sep))
 
 
-def _open_folder(root: str, name: str, *, make: bool = False) -> int:
-  """A descriptor of the folder ``root/name``, opened part by part without
-  following a symlink, so it is the folder inside ``root`` whatever was
-  linked or swapped in (a symlinked ``root`` itself is followed).
-
-  Raises:
-    OSError: a part is missing (``make``: it is made instead), a symlink or
-      not a folder.
-  """
+@contextlib.contextmanager
+def _folder(root: str, name: str, *, make: bool = False) -> Iterator[int]:
+  """The folder ``root/name`` (a descriptor), opened part by part without
+  following a symlink: inside ``root``, whatever is linked or swapped in.
+  OSError if a part is missing (``make``: made), a symlink or not a folder."""
   fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
   try:
     for part in name.split(os.sep) if name else ():
       if make:
         with contextlib.suppress(FileExistsError):
           os.mkdir(part, dir_fd=fd)
-      inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                      | os.O_CLOEXEC, dir_fd=fd)
-      os.close(fd)
-      fd = inner
-    return fd
-  except BaseException:
-    os.close(fd)
-    raise
-
-
-def _delete(root: str, name: str, kind: str) -> bool:
-  """Deletes ``root/name``, reached without following a symlink: a file or a
-  symlink is unlinked (a link is never followed); a folder only as a
-  ``trees`` entry (with its contents) or an empty ``folders`` one. Returns
-  whether it deleted something."""
-  try:
-    fd = _open_folder(root, os.path.dirname(name))
-  except OSError:
-    return False  # a folder on the way is gone, a symlink or a file
-  base = os.path.basename(name)
-  try:
-    is_dir = stat.S_ISDIR(os.stat(base, dir_fd=fd,
-                                  follow_symlinks=False).st_mode)
-    if kind == "folders":
-      os.rmdir(base, dir_fd=fd)
-    elif is_dir and kind == "trees":
-      shutil.rmtree(base, dir_fd=fd)
-    elif not is_dir:
-      os.unlink(base, dir_fd=fd)
-    else:
-      return False  # a folder where the driver wrote a file: not its own
-    return True
-  except OSError:  # gone, or a folder not empty: the user's files stay
-    return False
+      fd, outer = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, dir_fd=fd), fd
+      os.close(outer)
+    yield fd
   finally:
     os.close(fd)
 
 
-def _manifest(root: str) -> dict[str, set[str]]:
-  """What the manifest records, ``{kind: names}`` for each of :data:`_KINDS`
-  (a plain list, as earlier versions wrote, holds files).
+def _delete(root: str, name: str, *, tree: bool = False) -> bool:
+  """Deletes ``root/name`` (reached by :func:`_folder`): a file or a link (the
+  link itself); a folder only if ``tree``. Whether it did."""
+  base = os.path.basename(name)
+  try:
+    with _folder(root, os.path.dirname(name)) as fd:
+      if not stat.S_ISDIR(os.stat(base, dir_fd=fd,
+                                  follow_symlinks=False).st_mode):
+        os.unlink(base, dir_fd=fd)
+      elif tree:
+        shutil.rmtree(base, dir_fd=fd)
+      else:
+        return False  # a folder where the driver wrote a file: not its own
+      return True
+  except OSError:  # gone, or a folder on the way is a symlink or a file
+    return False
 
-  Raises:
-    CorruptOutput: it is not valid JSON, or not names inside ``root``.
-  """
+
+def _manifest(root: str, *, overwrite: bool = False) -> dict[str, set[str]]:
+  """What the manifest records: ``files`` and ``trees`` (a plain list, as
+  earlier versions wrote, is files). A damaged one is refused, or with
+  ``overwrite`` deleted (with a warning) and taken as empty."""
   path = os.path.join(root, MANIFEST)
   try:
     found = read_json(path)
@@ -612,43 +541,42 @@ def _manifest(root: str) -> dict[str, set[str]]:
     found = "damaged"
   if found is None or isinstance(found, list):
     found = {"files": found or []}
-  if (isinstance(found, dict) and set(found) <= set(_KINDS)
-      and all(isinstance(v, list) and all(_inside(n) for n in v)
-              for v in found.values())):
-    return {kind: set(found.get(kind, ())) for kind in _KINDS}
-  raise CorruptOutput(
-      f"{path!r}, the record of what the driver wrote in this workdir (what "
-      "--overwrite deletes), is damaged. Rerun with --overwrite to start "
-      f"afresh: it then deletes only {' and '.join(_FIXED)}, and keeps every "
-      "other file (delete what you no longer want by hand); or use another "
-      "--workdir.")
+  if isinstance(found, dict) and set(found) <= {"files", "trees"} and all(
+      isinstance(v, list) and all(map(_inside, v)) for v in found.values()):
+    return {kind: set(found.get(kind, ())) for kind in ("files", "trees")}
+  if not overwrite:
+    raise CorruptOutput(
+        f"{path!r}, the record of what the driver wrote in this workdir (what "
+        "--overwrite deletes), is damaged. Rerun with --overwrite to start "
+        f"afresh: it then deletes only {' and '.join(_FIXED)}, and keeps "
+        "every other file (delete what you no longer want by hand); or use "
+        "another --workdir.")
+  os.remove(path)
+  logging.warning("--overwrite: deleted the damaged %s; what it listed stays "
+                  "in %s.", MANIFEST, root)
+  return {"files": set(), "trees": set()}
 
 
 @contextlib.contextmanager
 def _locked(root: str) -> Iterator[None]:
-  """Holds ``root/LOCK`` with ``flock``: exclusive, released by the kernel
-  when the process ends, however it ends (so a killed run leaves no stale
-  lock). The file names the holder, for the refusal message, and is deleted
-  while still held; a claimer that locked the deleted file retries on the
-  new one."""
+  """Holds ``root/LOCK`` with ``flock`` (the kernel releases it when the
+  process ends). The file names the holder; it is deleted while held, and a
+  claimer that locked a deleted file tries again on the new one."""
   path = os.path.join(root, LOCK)
   while True:
     try:
       fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                    0o644)
-    except OSError as err:
-      raise _unusable(root, err) from None
-    try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as err:
+      if not isinstance(err, BlockingIOError):
+        raise _unusable(root, err) from None
       holder = os.read(fd, 1000).decode(errors="replace") or "starting"
       os.close(fd)
       raise WorkdirInUse(
           f"workdir {root!r} is in use by another run ({holder}; lock file "
-          f"{path!r}). Wait for it to finish, or use another --workdir.") from None
-    except OSError as err:
-      os.close(fd)
-      raise _unusable(root, err) from None
+          f"{path!r}). Wait for it to finish, or use another --workdir."
+          ) from None
     with contextlib.suppress(FileNotFoundError):
       if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
         break
@@ -665,50 +593,33 @@ def _locked(root: str) -> Iterator[None]:
 
 
 def _unusable(root: str, err: OSError) -> UnusableWorkdir:
-  if os.path.exists(root) and not os.path.isdir(root):
-    what = "is not a folder"
-  elif not os.path.isdir(root):
-    what = f"cannot be created ({err.strerror})"
-  else:
-    what = f"cannot be written or locked ({err.strerror})"
-  return UnusableWorkdir(f"workdir {root!r} {what}; pass a folder this user "
-                         "can write (on a filesystem with file locks) as "
-                         "--workdir.")
+  what = "written or locked" if os.path.isdir(root) else "created"
+  what = ("is not a folder" if os.path.exists(root) and not os.path.isdir(root)
+          else f"cannot be {what} ({err.strerror})")
+  return UnusableWorkdir(f"workdir {root!r} {what}; pass as --workdir a "
+                         "folder this user can write and lock.")
 
 
 def _remove_leftover_tmp(root: str, recorded: dict[str, set[str]]) -> None:
   """Deletes ``.tmp-*`` files of killed writes (the lock is held: none is
-  live) in the folders drivers write to: ``root``, ``figures/`` and the
-  folders the manifest records or writes files into (never through a
-  symlink)."""
-  folders = {"", "figures"} | recorded["folders"] | {
-      os.path.dirname(name) for name in recorded["files"]}
-  for folder in folders:
-    try:
-      fd = _open_folder(root, folder)
-    except OSError:
-      continue
-    try:
+  live) in ``root``, ``figures/`` and the folders of the manifest's files."""
+  for folder in {"", "figures"} | set(map(os.path.dirname, recorded["files"])):
+    with contextlib.suppress(OSError), _folder(root, folder) as fd:
       for name in os.listdir(fd):
         if _TMP_NAME.match(name) and stat.S_ISREG(
             os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
           os.unlink(name, dir_fd=fd)
-    finally:
-      os.close(fd)
 
 
 def _delete_outputs(root: str, recorded: dict[str, set[str]]) -> list[str]:
-  """Deletes what the manifest records (and :data:`_FIXED`), then the
-  manifest, then the folders the driver made that are left empty; returns
-  the names deleted."""
-  deleted = [name for kind, names in (("files", recorded["files"]
-                                       | set(_FIXED)),
-                                      ("trees", recorded["trees"]))
-             for name in sorted(names) if _delete(root, name, kind)]
+  """Deletes what the manifest records and :data:`_FIXED`, then the manifest;
+  returns the names deleted. Folders stay: the driver writes into them."""
+  deleted = [name for name in sorted(recorded["files"] | set(_FIXED))
+             if _delete(root, name)]
+  deleted += [name for name in sorted(recorded["trees"])
+              if _delete(root, name, tree=True)]
   with contextlib.suppress(FileNotFoundError):
     os.remove(os.path.join(root, MANIFEST))
-  for name in sorted(recorded["folders"], key=len, reverse=True):  # inner first
-    _delete(root, name, "folders")
   return deleted
 
 
@@ -718,21 +629,18 @@ def _check_config_json(root: str, wanted: dict, overwrite: bool,
   path = os.path.join(root, "config.json")
   try:
     found = read_json(path)
-    damaged = found is not None and not isinstance(found, dict)
   except CorruptOutput:
-    damaged = True
-  if damaged:
+    found = "damaged"
+  if not isinstance(found, (dict, type(None))):
     if overwrite:
       return
     raise CorruptOutput(
         f"{path!r} is damaged (not a JSON object), so nothing says which "
         "config made this workdir's outputs. Rerun with --overwrite to start "
-        "afresh (it deletes only what the driver wrote), or use another "
-        "--workdir.")
-  if found is not None:
-    found = canonical(found)
+        "afresh, or use another --workdir.")
+  found = canonical(found)
   outputs = [n for n in recorded["files"] | recorded["trees"] | {_FIXED[1]}
-             if n != "config.json" and os.path.lexists(os.path.join(root, n))]
+             if n != _FIXED[0] and os.path.lexists(os.path.join(root, n))]
   if overwrite or found == wanted or (found is None and not outputs):
     return
   if found is None:
@@ -746,49 +654,31 @@ def _check_config_json(root: str, wanted: dict, overwrite: bool,
                      "or pass --overwrite to replace them.")
 
 
-def _check_manifest(root: str, overwrite: bool) -> dict[str, set[str]]:
-  """The manifest's record; a damaged one is refused, or with ``overwrite``
-  deleted (with a warning) and taken as empty."""
-  try:
-    return _manifest(root)
-  except CorruptOutput:
-    if not overwrite:
-      raise
-    os.remove(os.path.join(root, MANIFEST))
-    logging.warning("--overwrite: %s was damaged and is deleted; files it "
-                    "listed beyond %s stay in %s.", MANIFEST,
-                    " and ".join(_FIXED), root)
-    return _manifest(root)
-
-
 @contextlib.contextmanager
 def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
                   overwrite: bool = False) -> Iterator[Workdir]:
   """Holds ``workdir`` for one run of ``config``; yields its :class:`Workdir`.
 
-  In order: makes the folder, takes the lock (refused while another run
-  holds it), checks the manifest, removes leftover ``.tmp-*`` files, refuses
-  a different (or a damaged) config unless ``overwrite``, and with
-  ``overwrite`` deletes what the driver wrote before (see the module
-  docstring) and only then writes ``config.json``: an interruption in
-  between leaves a workdir that resumes nothing stale. A matching config is
-  left as it is: the run resumes or skips finished work. The lock is
-  released when the block ends, also by an exception.
+  In order: makes the folder, takes the lock, checks the manifest, removes
+  leftover ``.tmp-*`` files, refuses a different (or a damaged) config unless
+  ``overwrite``, which deletes what the driver wrote (module docstring), and
+  only then writes ``config.json``: an interruption in between leaves a
+  workdir that resumes nothing stale. A matching config resumes or skips
+  finished work. The lock is released when the block ends, however it ends.
 
   Raises:
-    UnusableWorkdir: ``workdir`` is a file, or cannot be made, written or
-      locked.
-    WorkdirInUse: another run holds the lock, or the workdir holds another
-      config's outputs and ``overwrite`` is off.
-    CorruptOutput: ``config.json`` or the manifest is damaged and
-      ``overwrite`` is off.
+    UnusableWorkdir: it is a file, or cannot be made, written or locked.
+    WorkdirInUse: another run holds it, or (not ``overwrite``) it holds
+      another config's outputs.
+    CorruptOutput: (not ``overwrite``) ``config.json`` or the manifest is
+      damaged.
   """
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as err:
     raise _unusable(workdir, err) from None
   with _locked(workdir):
-    recorded = _check_manifest(workdir, overwrite)
+    recorded = _manifest(workdir, overwrite=overwrite)
     _remove_leftover_tmp(workdir, recorded)
     wanted = config_dict(config)
     _check_config_json(workdir, wanted, overwrite, recorded)
@@ -800,13 +690,13 @@ def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
     write_json(os.path.join(workdir, "config.json"), wanted)
     yield Workdir(workdir, config)
 
+
 def per_kappa(config, wd: "Workdir", compute, *, name: str) -> list[dict]:
-  """``compute(kappa, rng)`` for every ``config.kappas``, each saved as
-  ``partial_kappa<i>.json`` the moment it is done and loaded instead on a
-  rerun (tied to the config like every output); numbers non-finite as
-  ``None``. ``rng`` is ``np.random.default_rng([config.seed, i])``, so a
-  resumed kappa draws what an uninterrupted run would. Runs at the highest
-  matmul precision."""
+  """``compute(kappa, rng)`` for every ``config.kappas`` at the highest matmul
+  precision, each saved as ``partial_kappa<i>.json`` when done and loaded on
+  a rerun; non-finite numbers as ``None``. ``rng`` is
+  ``np.random.default_rng([config.seed, i])``: a resumed kappa draws the
+  same."""
   names = [f"partial_kappa{i}.json" for i in range(len(config.kappas))]
   results = [wd.read_json(n) for n in names]
   progress = Progress(len(names), name=name, unit="kappas")
@@ -853,8 +743,7 @@ class Progress:
 @contextlib.contextmanager
 def float_dtype_enabled(dtype: str) -> Iterator[Any]:
   """Yields ``jnp.dtype(dtype)`` (``"float32"`` or ``"float64"``), with
-  ``jax_enable_x64`` on inside the block for float64 and the previous setting
-  restored after it."""
+  ``jax_enable_x64`` on inside the block for float64 (restored after)."""
   if dtype == "float64":
     with jax.enable_x64(True):
       yield jnp.dtype(jnp.float64)
@@ -879,29 +768,21 @@ def config_path(config_name: str) -> str:
                       f"{config_name}.py")
 
 
-def _no_such_field(err: LookupError | AttributeError, config_file: str
-                   ) -> str:
+def _no_such_field(err: Exception, config_file: str) -> str:
   from ml_collections.config_flags import config_flags  # pylint: disable=g-import-not-at-top
   fields = config_flags.ConfigFileFlagParser("config").parse(config_file)
   return (f"unknown config field {str(err).strip(chr(34))}; the config's "
-          "fields are "
-          f"{', '.join(sorted(fields))}.")
+          f"fields are {', '.join(sorted(fields))}.")
 
 
 def define_flags(config_name: str) -> None:
-  """The flags every driver takes; called only under ``__main__``.
-
-  ``--config`` (default ``experiments/configs/<config_name>.py``; a variant
-  as ``--config=experiments/configs/<config_name>.py:tiny``; any field as
-  ``--config.FIELD=VALUE``, tuples as ``--config.FIELD='(1, 2)'``),
-  ``--workdir`` (required) and ``--overwrite``. Defining them only when a
-  driver runs as a program lets tests and notebooks import every driver into
-  one process.
-  """
+  """``--config`` (default ``experiments/configs/<config_name>.py``, a variant
+  as ``...py:tiny``, fields as ``--config.FIELD=VALUE``, tuples as
+  ``--config.FIELD='(1, 2)'``), ``--workdir`` and ``--overwrite``. Called
+  only under ``__main__``, so tests and notebooks import every driver."""
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  # An unknown --config.FIELD raises AttributeError in ml_collections, here
-  # (the default config file) or when absl parses --config=FILE; either way
-  # it is reported in one line, without traceback.
+  # An unknown --config.FIELD fails in ml_collections, here (the default
+  # file) or when absl parses --config=FILE: reported in one line either way.
   default = config_path(config_name)
   try:
     holder = config_flags.DEFINE_config_file(
@@ -909,8 +790,7 @@ def define_flags(config_name: str) -> None:
         help_string="Config file (experiments/configs/*.py).")
   except (AttributeError, KeyError) as err:
     raise SystemExit(f"{config_name}: {_no_such_field(err, default)}") from None
-  flag = flags.FLAGS[holder.name]
-  parse = flag._parse  # pylint: disable=protected-access
+  parse = flags.FLAGS[holder.name]._parse  # pylint: disable=protected-access
 
   def parse_naming_unknown_fields(argument):
     try:
@@ -918,7 +798,7 @@ def define_flags(config_name: str) -> None:
     except (AttributeError, KeyError) as err:  # absl reports it in one line
       raise flags.IllegalFlagValueError(_no_such_field(err, argument)) from None
 
-  flag._parse = parse_naming_unknown_fields  # pylint: disable=protected-access
+  flags.FLAGS[holder.name]._parse = parse_naming_unknown_fields  # pylint: disable=protected-access
   flags.DEFINE_string("workdir", None, "Where config.json, results and figures go.",
                       required=True)
   flags.DEFINE_bool("overwrite", False,
@@ -929,9 +809,8 @@ def define_flags(config_name: str) -> None:
 def run_main(argv, name: str, run, **kwargs):
   """Calls ``run(config, workdir, overwrite=..., **kwargs)`` from the flags.
 
-  A bad config, a workdir in use or of another config, or a damaged output is
-  the user's call, not a bug: it ends the program with a one-line message
-  instead of a traceback.
+  A refused config, workdir or output is the user's call, not a bug: it ends
+  the program with a one-line message, without traceback.
   """
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")

@@ -83,7 +83,7 @@ def test_outputs_without_a_config_are_refused(tmp_path):
   # A folder of that name is nobody's until a driver records making it.
   os.remove(tmp_path / common.MANIFEST)
   with common.claim_workdir(str(tmp_path), _config()) as wd:
-    with pytest.raises(common.WorkdirInUse, match="checkpoints' exists, but "
+    with pytest.raises(common.WorkdirInUse, match="checkpoints' is in the way: "
                        "this driver did not make it"):
       wd.own("checkpoints", tree=True)
 
