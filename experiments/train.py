@@ -33,9 +33,11 @@ distribution shifts (``config.shifts``) with GD's in-distribution step size.
 Workdir (claimed as every driver claims it, :func:`experiments.common.claim_workdir`:
 held exclusively for the run, every output tied to the config's hash and a
 checksum): ``config.json``, ``checkpoints/<model>_L<depth>/`` (orbax, the whole
-grid every ``checkpoint_every`` steps: an interrupted run resumes from the
-last one and sees the same batches), ``results.json`` (written last) and
-``figures/``. Every config field is checked first (:func:`validate`).
+grid every ``checkpoint_every`` steps, sealed like every output: an
+interrupted run resumes from the last one and sees the same batches; one of
+another config or damaged is refused by name), ``results.json`` (written
+last) and ``figures/``. Every config field, the shifts' too, and the memory
+the run needs are checked first (:func:`validate`).
 """
 
 from __future__ import annotations
