@@ -245,11 +245,11 @@ def _restore(manager, wd: common.Workdir, folder: str, state, losses):
   try:
     restored = manager.restore(step, args=ocp.args.StandardRestore(target))
   except Exception as err:  # pylint: disable=broad-except
-    # orbax, tensorstore and decompression errors alike.
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    # orbax, tensorstore and decompression errors alike, in one line.
+    first_line = (str(err).strip().splitlines() or [""])[0][:200]
     raise common.CorruptOutput(
         f"{path!r} is not a readable checkpoint ({type(err).__name__}: "
-        f"{first_line[:200]}); " + common.way_out(folder)) from None
+        f"{first_line}); " + common.way_out(folder)) from None
   restored = wd.unseal(path, restored, remedy=folder)
   leaves = [jnp.asarray(restored[f"state{i}"])
             for i in range(len(jax.tree.leaves(state)))]
