@@ -422,3 +422,41 @@ def test_forms_are_frozen_values():
     a.d = 3
   with pytest.raises(TypeError):
     forms.Natural(6, 2)  # keyword-only, as everywhere in the library
+
+
+# Concrete values that cannot mean anything: refused by the parameter
+# builders (traced values pass unchecked, as elsa._validate documents).
+GD_BAD_SCALARS = [
+    (dict(lam=0.1, eta=np.inf), r"eta must be finite"),
+    (dict(lam=np.nan, eta=0.1), r"lam must be >= 0, got nan"),
+    (dict(lam=np.inf, eta=0.1), r"lam must be finite"),
+    (dict(lam=-1.0, eta=0.1), r"lam must be >= 0, got -1"),
+    (dict(lam=0.1, eta=0.0), r"eta must be > 0, got 0"),
+    (dict(lam=0.1, eta=np.array([0.1, np.nan, 0.1])), r"eta must be > 0"),
+]
+
+
+@pytest.mark.parametrize("form_cls", FORMS)
+@pytest.mark.parametrize("scalars,pattern", GD_BAD_SCALARS)
+def test_gd_params_refuse_concrete_scalars_out_of_range(form_cls, scalars,
+                                                        pattern):
+  form = form_cls(n_train=4, d=2)
+  for method in ("gd_params", "gd_coefficients"):
+    with pytest.raises(ValueError, match=rf"{form_cls.__name__}\.{method}: "
+                       + pattern):
+      getattr(form, method)(depth=3, **scalars)
+  traced = jax.jit(lambda lam, eta: form.gd_params(lam=lam, eta=eta, depth=3))
+  traced(*(jnp.asarray(scalars[k], jnp.float64) for k in ("lam", "eta")))
+
+
+@pytest.mark.parametrize("scalars,pattern", [
+    (dict(lam=0.1, alpha=np.inf), r"alpha must be finite"),
+    (dict(lam=np.nan, alpha=0.1), r"lam must be >= 0, got nan"),
+    (dict(lam=-1.0, alpha=0.1), r"lam must be >= 0, got -1"),
+    (dict(lam=np.inf, alpha=0.1), r"lam must be finite")])
+def test_newton_params_refuse_concrete_scalars_out_of_range(scalars, pattern):
+  form = forms.Newton(n_train=4, d=2)
+  for method, kwargs in (("newton_params", dict(depth=2)),
+                         ("setup_params", {})):
+    with pytest.raises(ValueError, match=rf"Newton\.{method}: " + pattern):
+      getattr(form, method)(**scalars, **kwargs)

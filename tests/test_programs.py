@@ -421,7 +421,7 @@ BUILD_REFUSALS = [
     ("jax.numpy conversion", lambda p, X, y, w, r: jnp.asarray(w), TypeError,
      r"w is a symbolic block.*nonlinearities"),
     ("jax.numpy nonlinearity", lambda p, X, y, w, r: jnp.tanh(w), TypeError,
-     r"Expr"),
+     r"w is a symbolic block.*nonlinearities"),
     ("truth value", lambda p, X, y, w, r: bool(w),
      TypeError, r"w has no truth value.*control flow"),
     ("data-dependent scalar", lambda p, X, y, w, r: w * jnp.float64(2.0),
@@ -557,3 +557,152 @@ def test_parameters_encode_and_run_refuse_bad_arguments():
   with pytest.raises(ValueError, match=r"s is a schedule of shape \(4,\) but a "
                      r"layer applied once"):
     programs.compile(p2).params(loops=4, s=np.ones(4))
+
+
+# --- edge cases: values the stack cannot mean, and names that clash ------------
+
+
+def _symmetric_program():
+  """``M' = M / 2 + M A M / 10``: ``M A M`` reads as ``M A^T M`` (A symmetric)."""
+  prog = programs.Program()
+  A = prog.input("A", (3, 3), symmetric=True)
+  M = prog.state("M", (3, 3))
+  prog.loop({M: 0.5 * M + 0.1 * (M @ A @ M)})
+  return prog
+
+
+def test_encode_refuses_non_finite_inputs_that_the_stack_would_spread():
+  """A NaN in a block that only the read-out uses would make every block of
+  the stack NaN (``0 * NaN`` in the column mix), while ``run`` keeps the
+  others finite: ``encode`` refuses it."""
+  N, d = 6, 2
+  x, yv = regression(6, (), N, d)
+  compiled = design_example(N, d, 1, x, yv)["compiled"]
+  for bad in (np.nan, np.inf):
+    y_bad = yv.copy()
+    y_bad[3, 0] = bad
+    with pytest.raises(ValueError, match=r"encode: y has a non-finite entry "
+                       r".* at \(3, 0\).*every block NaN"):
+      compiled.encode(X=x, y=y_bad)
+  # Traced values are not checked (nothing is known about them yet).
+  h0 = jax.jit(lambda a: compiled.encode(X=a, y=yv))(x)
+  assert np.isfinite(h0).all()
+
+
+def test_symmetric_is_checked_on_concrete_values_in_encode_and_run():
+  prog = _symmetric_program()
+  compiled = programs.compile(prog)
+  rng = np.random.default_rng(7)
+  m0, a = np.eye(3), rng.normal(size=(3, 3))
+  for call in (lambda A: compiled.encode(A=A, M=m0),
+               lambda A: programs.run(prog, loops=2, A=A, M=m0)):
+    with pytest.raises(ValueError, match=r"A is declared symmetric=True, but "
+                       r"max \|A - A\^T\| = .*reads it transposed"):
+      call(a)
+  sym = a + a.T
+  hs = elsa.elsa_stack(compiled.params(loops=3), compiled.encode(A=sym, M=m0),
+                       return_all=True)
+  assert_every_layer(compiled, hs, programs.run(prog, loops=3, A=sym, M=m0),
+                     F64_RTOL)
+
+
+@pytest.mark.parametrize("name", ["dtype", "loops", "prog", "self"])
+def test_names_of_keyword_arguments_are_refused_at_declaration(name):
+  prog = programs.Program()
+  for declare in (lambda: prog.input(name, (2, 2)),
+                  lambda: prog.state(name, (2, 2)),
+                  lambda: prog.scalar(name)):
+    with pytest.raises(ValueError, match=rf"the name '{name}' is a keyword "
+                       "argument of encode, params or run"):
+      declare()
+
+
+def test_a_schedule_the_length_of_the_batch_is_refused_unless_marked():
+  """``[loops]`` scalars beside blocks with a batch axis of length ``loops``
+  could be a schedule or a batch: ``run`` asks; ``programs.schedule`` says."""
+  N, d, L = 6, 2, 3
+  x, yv = regression(9, (L,), N, d)
+  prog = design_example(N, d, 1, x[0], yv[0])["prog"]
+  etas = np.array([0.1, 0.05, 0.02])
+  with pytest.raises(ValueError, match=r"\['eta'\] have shape \(3,\), which is "
+                     r"both a schedule for loops=3 and a batch.*"
+                     r"programs\.schedule"):
+    programs.run(prog, loops=L, X=x, y=yv, lam=0.1, eta=etas)
+  marked = programs.run(prog, loops=L, X=x, y=yv, lam=0.1,
+                        eta=programs.schedule(etas))
+  gd = ridge.gd(x, yv, lam=0.1, eta=etas, steps=L)
+  assert rel(marked["w"][1:], gd) < F64_RTOL
+  # A bare schedule stays a schedule where nothing is ambiguous, and the
+  # mark is accepted by params too.
+  compiled = programs.compile(prog)
+  hs = elsa.elsa_stack(compiled.params(loops=L, lam=0.1,
+                                       eta=programs.schedule(etas)),
+                       compiled.encode(X=x, y=yv), return_all=True)
+  assert_every_layer(compiled, hs, marked, F64_RTOL)
+  single = programs.run(prog, loops=L, X=x[0], y=yv[0], lam=0.1, eta=etas)
+  assert rel(single["w"], marked["w"][:, 0]) < F64_RTOL
+
+
+def test_compiled_keeps_a_snapshot_of_its_program():
+  N, d, L = 6, 2, 2
+  x, yv = regression(10, (), N, d)
+  ex = design_example(N, d, 1, x, yv)
+  prog, compiled = ex["prog"], ex["compiled"]
+  v = prog.state("v", (d, 1))
+  prog.input("Z", (2, 2))
+  prog.loop({v: 2 * v})
+  h0 = compiled.encode(X=x, y=yv)  # Z is not an input of the compiled program
+  params = compiled.params(loops=L, lam=0.1, eta=0.05)
+  assert params.w1.shape[0] == compiled.layers(L) == 1 + L
+  hs = elsa.elsa_stack(params, h0, return_all=True)
+  ref = programs.run(compiled.program, loops=L, X=x, y=yv, lam=0.1, eta=0.05)
+  assert set(ref) == {"X", "y", "w", "r"}
+  assert_every_layer(compiled, hs, ref, F64_RTOL)
+  assert programs.compile(prog).layers(L) == 1 + 2 * L
+
+
+def test_run_and_params_agree_that_loops_zero_of_a_loop_only_program_has_no_layer():
+  prog = programs.Program()
+  w = prog.state("w", (2, 1))
+  prog.loop({w: 2 * w})
+  compiled = programs.compile(prog)
+  for call in (lambda: compiled.params(loops=0),
+               lambda: programs.run(prog, loops=0, w=np.ones((2, 1)))):
+    with pytest.raises(ValueError, match=r"with loops=0 the program has no "
+                       r"layer"):
+      call()
+  # With a layer applied once, loops=0 is that layer alone, in both.
+  prog.layer({w: w + programs.constant(np.ones((2, 1)))})
+  compiled = programs.compile(prog)
+  hs = elsa.elsa_stack(compiled.params(loops=0), compiled.encode(),
+                       return_all=True)
+  assert_every_layer(compiled, hs, programs.run(prog, loops=0), F64_RTOL)
+
+
+@pytest.mark.parametrize("statement", [
+    lambda w: jnp.linalg.norm(w), lambda w: float(w), lambda w: int(w),
+    lambda w: jnp.sqrt(2.0) * w, lambda w: jnp.sum(w),
+    lambda w: np.linalg.norm(w)],
+    ids=["jnp.linalg.norm", "float", "int", "jnp coefficient", "jnp.sum",
+         "np.linalg.norm"])
+def test_jax_and_python_conversions_give_the_language_message(statement):
+  w = programs.Program().state("w", (2, 1))
+  with pytest.raises(TypeError, match=r"^programs: .*(symbolic block|is not a "
+                     r"scalar)"):
+    statement(w)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_concrete_non_finite_scalars_are_refused(value):
+  N, d = 6, 2
+  x, yv = regression(11, (), N, d)
+  ex = design_example(N, d, 1, x, yv)
+  compiled, prog = ex["compiled"], ex["prog"]
+  for call in (
+      lambda: compiled.params(loops=2, lam=value, eta=0.1),
+      lambda: compiled.params(loops=2, lam=0.1, eta=np.array([0.1, value])),
+      lambda: programs.run(prog, loops=2, X=x, y=yv, lam=0.1, eta=value)):
+    with pytest.raises(ValueError, match=r"(lam|eta) must be finite"):
+      call()
+  # Traced values pass unchecked (as documented in elsa._validate).
+  jax.jit(lambda lam: compiled.params(loops=2, lam=lam, eta=0.1))(value)

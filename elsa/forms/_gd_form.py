@@ -109,7 +109,8 @@ class GDForm(TokenForm):
 
     Raises:
       ValueError: ``depth < 1``, ``lam`` is not a scalar, or ``eta`` is
-        neither a scalar nor ``[depth]``.
+        neither a scalar nor ``[depth]``; a concrete (not traced) ``lam`` is
+        negative or ``eta`` not positive, or either is not finite.
       TypeError: ``depth`` is not an int, or ``dtype`` is not floating.
     """
     lam, etas = self._schedule(lam=lam, eta=eta, depth=depth, dtype=dtype)
@@ -189,6 +190,8 @@ class GDForm(TokenForm):
     if eta.shape not in ((), (depth,)):
       raise self._shape_error(self._name(method), "eta", f"() or the schedule "
                               f"({depth},) for depth={depth}", eta.shape)
+    self._in_range(method, "lam", lam, low=0, strict=False)
+    self._in_range(method, "eta", eta, low=0, strict=True)
     return lam, jnp.broadcast_to(eta, (depth,))
 
   def _col_selector(self, cols: slice, dtype) -> Array:

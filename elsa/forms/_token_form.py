@@ -174,6 +174,18 @@ class TokenForm:
                        f"shape {np.shape(value)}; vmap over it instead.")
     return jnp.asarray(value, dtype)
 
+  def _in_range(self, method: str, arg: str, value, *, low: float,
+                strict: bool) -> None:
+    """``ValueError`` unless a concrete ``value`` is finite and ``>= low``
+    (``> low`` if ``strict``) everywhere; traced values pass
+    (:mod:`elsa._validate`)."""
+    fn = self._name(method)
+    _validate.at_least(fn, arg, value, low=low, strict=strict)
+    found = _validate.concrete(value)
+    if found is not None and not np.all(np.isfinite(found)):
+      raise ValueError(f"{fn}: {arg} must be finite, got "
+                       f"{float(np.ravel(found[~np.isfinite(found)])[0]):g}.")
+
   def _scalars(self, method: str, dtype=None, **values) -> list[Array]:
     """``values`` as 0-d arrays of one floating dtype, in keyword order:
     ``dtype``, or by default as :meth:`_float_dtype` picks it from them."""

@@ -295,7 +295,7 @@ class Newton(TokenForm):
 
     Raises:
       ValueError: ``depth < 0``, ``lam``/``alpha`` is not a scalar, or a
-        concrete ``alpha <= 0``.
+        concrete ``alpha <= 0``, ``lam < 0``, or either not finite.
       TypeError: ``depth`` is not an int, or ``dtype`` is not floating.
     """
     self._check_int(self._name("newton_params"), "depth", depth, low=0)
@@ -315,10 +315,13 @@ class Newton(TokenForm):
 
   def _lam_alpha(self, method: str, *, lam, alpha, dtype):
     """``lam, alpha`` as scalar arrays of one floating dtype, validated: a
-    concrete (not traced) ``alpha`` must be ``> 0``."""
+    concrete (not traced) ``alpha`` must be finite and ``> 0``, ``lam``
+    finite and ``>= 0``."""
     lam, alpha = self._scalars(method, dtype, lam=lam, alpha=alpha)
     if not isinstance(alpha, jax.core.Tracer) and not np.asarray(alpha) > 0:
       raise ValueError(f"{self._name(method)}: alpha must be > 0 (M_0 = alpha "
                        f"I; converges for 0 < alpha < 2 / lambda_max(A)), got "
                        f"{np.asarray(alpha)}.")
+    self._in_range(method, "alpha", alpha, low=0, strict=True)
+    self._in_range(method, "lam", lam, low=0, strict=False)
     return lam, alpha

@@ -27,9 +27,9 @@ which terms one component computes), :mod:`~elsa.programs.interpreter`
 rules.
 """
 
-from elsa.programs.compiler import Compiled, compile  # pylint: disable=redefined-builtin
+from elsa.programs.compiler import Compiled, Schedule, compile, schedule  # pylint: disable=redefined-builtin
 from elsa.programs.interpreter import run
 from elsa.programs.language import Expr, Program, Scalar, constant, eye
 
-__all__ = ["Compiled", "Expr", "Program", "Scalar", "compile", "constant",
-           "eye", "run"]
+__all__ = ["Compiled", "Expr", "Program", "Scalar", "Schedule", "compile",
+           "constant", "eye", "run", "schedule"]

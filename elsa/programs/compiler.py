@@ -10,19 +10,42 @@ kinds of every layer.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elsa import constructions
+from elsa import _validate, constructions
 from elsa.attention import Array, ElsaParams, float_dtype
 from elsa.programs import codegen, layout as layout_lib
 from elsa.programs.language import Program
 
 
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """A runtime scalar's per-iteration values ``[loops]``, marked as such.
+
+  A bare ``[loops]`` array is a schedule too; ``programs.run`` asks for the
+  mark when its blocks carry a batch axis of length ``loops``, where the
+  array could as well be meant as a batch of values (vmap over those).
+  """
+  values: Any
+
+
+def schedule(values) -> Schedule:
+  """Marks ``values [loops]`` as a per-iteration schedule (see :class:`Schedule`)."""
+  return Schedule(values)
+
+
 def _runtime_scalars(prog: Program, stages, scalars: dict, loops: int, dtype,
                      fn: str) -> dict:
-  """Checked scalar values: ``0-d`` arrays, or ``[loops]`` schedules."""
+  """Checked scalar values: ``0-d`` arrays, or ``[loops]`` schedules.
+
+  Concrete values must be finite (a NaN or inf coefficient makes every
+  block it touches NaN); traced ones are not checked.
+  """
   missing = sorted(set(prog.scalars) - set(scalars))
   unknown = sorted(set(scalars) - set(prog.scalars))
   if missing or unknown:
@@ -33,7 +56,11 @@ def _runtime_scalars(prog: Program, stages, scalars: dict, loops: int, dtype,
           for t in e.terms for name in t.coef.names}
   out = {}
   for name, value in scalars.items():
-    value = jnp.asarray(value, dtype)
+    marked = isinstance(value, Schedule)
+    value = jnp.asarray(value.values if marked else value, dtype)
+    if marked and value.ndim != 1:
+      raise ValueError(f"{fn}: the schedule {name} must have shape "
+                       f"({loops},), got {value.shape}.")
     if value.ndim == 1 and name in once:
       raise ValueError(f"{fn}: {name} is a schedule of shape {value.shape} but "
                        "a layer applied once (or an init) uses it; pass a "
@@ -42,12 +69,51 @@ def _runtime_scalars(prog: Program, stages, scalars: dict, loops: int, dtype,
       raise ValueError(f"{fn}: {name} must be a scalar or a schedule of shape "
                        f"({loops},) for loops={loops}, got shape {value.shape}; "
                        "vmap over it for a batch of values.")
+    found = _validate.concrete(value)
+    if found is not None and not np.all(np.isfinite(found)):
+      raise ValueError(f"{fn}: {name} must be finite, got {found}.")
     out[name] = value
   return out
 
 
+def _check_values(prog: Program, arrays: dict, fn: str, *,
+                  finite: bool) -> None:
+  """Checks concrete block values (traced ones pass): a block declared
+  symmetric must be symmetric (to rounding), and with ``finite`` every entry
+  finite.
+
+  The stack keeps its blocks apart only in exact arithmetic: its column mixes
+  multiply every block by 0 or 1, so one NaN or inf anywhere (``0 * inf``)
+  makes every block of the stack NaN, even one the program never reads
+  together with it. ``encode`` therefore refuses non-finite values;
+  ``run`` evaluates them as IEEE arithmetic does.
+  """
+  for name, value in arrays.items():
+    found = _validate.concrete(value)
+    if found is None:
+      continue
+    if finite and not np.all(np.isfinite(found)):
+      bad = np.argwhere(~np.isfinite(found))[0]
+      raise ValueError(f"{fn}: {name} has a non-finite entry "
+                       f"{found[tuple(bad)]} at {tuple(int(i) for i in bad)}; "
+                       "the stack mixes the columns of every block, so one "
+                       "NaN or inf would make every block NaN. Encode finite "
+                       "values.")
+    if prog.blocks[name].symmetric and found.size:
+      gap = np.max(np.abs(found - np.swapaxes(found, -1, -2)))
+      scale = np.max(np.abs(found))
+      if gap > 1e3 * np.finfo(found.dtype).eps * scale:
+        raise ValueError(f"{fn}: {name} is declared symmetric=True, but "
+                         f"max |{name} - {name}^T| = {gap:.3g} (max |{name}| "
+                         f"= {scale:.3g}); the stack reads it transposed where "
+                         "the program does not. Pass a symmetric value or "
+                         "declare it without symmetric=True.")
+
+
 def _dtype(dtype, arrays, fn: str):
-  """``dtype``, else the common dtype of the arrays given, else the default float."""
+  """``dtype``, else the common dtype of the arrays given (schedules' values
+  included), else the default float."""
+  arrays = [a.values if isinstance(a, Schedule) else a for a in arrays]
   if dtype is None:
     typed = {jnp.result_type(a) for a in arrays if hasattr(a, "dtype")}
     if len(typed) > 1:
@@ -58,6 +124,14 @@ def _dtype(dtype, arrays, fn: str):
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"{fn}: the dtype must be floating, got {dtype}.")
   return dtype
+
+
+def _no_layers(stages, loops: int, fn: str) -> None:
+  """``ValueError`` if ``loops`` iterations leave the program without a layer
+  (``params`` and ``run`` refuse alike)."""
+  if not any(not s.repeat for s in stages) and loops == 0:
+    raise ValueError(f"{fn}: with loops=0 the program has no layer (it has "
+                     "only loops); pass loops >= 1.")
 
 
 class Compiled:
@@ -73,7 +147,10 @@ class Compiled:
   """
 
   def __init__(self, prog: Program):
-    self.program = prog
+    # A snapshot: blocks or layers declared on ``prog`` later belong to the
+    # next compile, not to this stack.
+    self.program = prog.snapshot()
+    prog = self.program
     self._layout, self._steps, self._stages = layout_lib.solve(prog)
     self.m, self.n = self._layout.m, self._layout.n
     self._parts = [codegen.components(s, self._layout) for s in self._steps]
@@ -113,7 +190,9 @@ class Compiled:
     not be given). Leading axes of the blocks broadcast.
 
     Raises:
-      ValueError: a block is missing, unknown, not allowed or mis-shaped.
+      ValueError: a block is missing, unknown, not allowed or mis-shaped; a
+        concrete block has a NaN or inf (which the stack would spread to
+        every block), or a block declared symmetric is not.
       TypeError: the blocks' dtypes differ or are not floating.
     """
     fn = "Compiled.encode"
@@ -138,6 +217,7 @@ class Compiled:
         raise ValueError(f"{fn}: {name} must have shape [..., {shape[0]}, "
                          f"{shape[1]}], got {value.shape}.")
       arrays[name] = value
+    _check_values(prog, arrays, fn, finite=True)
     try:
       batch = jnp.broadcast_shapes(*(a.shape[:-2] for a in arrays.values()))
     except ValueError:
@@ -180,15 +260,14 @@ class Compiled:
         traced) or, for scalars used only in loops, a ``[loops]`` schedule.
 
     Raises:
-      ValueError: a scalar is missing, unknown or mis-shaped, or ``loops`` is
-        not an int >= 0.
+      ValueError: a scalar is missing, unknown, mis-shaped or (if concrete)
+        not finite; ``loops`` is not an int >= 0, or gives no layer.
     """
     fn = "Compiled.params"
     if isinstance(loops, bool) or not isinstance(loops, (int, np.integer)) or (
         loops < 0):
       raise ValueError(f"{fn}: loops must be an int >= 0, got {loops!r}.")
-    if self.layers(loops) == 0:
-      raise ValueError(f"{fn}: with loops=0 the program has no layer.")
+    _no_layers(self._stages, loops, fn)
     dtype = _dtype(dtype, scalars.values(), fn)
     values = _runtime_scalars(self.program, self._stages, scalars, loops, dtype,
                               fn)

@@ -19,7 +19,8 @@ import numpy as np
 
 from elsa.attention import Array
 from elsa.programs import layout as layout_lib
-from elsa.programs.compiler import _dtype, _runtime_scalars
+from elsa.programs.compiler import (Schedule, _check_values, _dtype,
+                                    _no_layers, _runtime_scalars)
 from elsa.programs.language import Program, Stage
 
 _EXACT = jax.lax.Precision.HIGHEST
@@ -69,6 +70,7 @@ def run(prog: Program, *, loops: int, dtype=None, **kwargs) -> dict[str, Array]:
       loops < 0):
     raise ValueError(f"{fn}: loops must be an int >= 0, got {loops!r}.")
   _, _, stages = layout_lib.solve(prog)
+  _no_layers(stages, loops, fn)
   scalars = {k: v for k, v in kwargs.items() if k in prog.scalars}
   blocks = {k: v for k, v in kwargs.items() if k not in prog.scalars}
   unknown = sorted(set(blocks) - set(prog.blocks))
@@ -85,7 +87,17 @@ def run(prog: Program, *, loops: int, dtype=None, **kwargs) -> dict[str, Array]:
                        f"{prog.blocks[name].shape}], got {a.shape}.")
     if prog.blocks[name].init is not None:
       raise ValueError(f"{fn}: {name} has an init expression; do not pass it.")
+  _check_values(prog, arrays, fn, finite=False)
   batch = jnp.broadcast_shapes(*(a.shape[:-2] for a in arrays.values()))
+  if loops > 1 and batch and batch[-1] == loops:
+    ambiguous = sorted(k for k, v in kwargs.items() if k in prog.scalars
+                       and not isinstance(v, Schedule) and np.ndim(v) == 1)
+    if ambiguous:
+      raise ValueError(
+          f"{fn}: {ambiguous} have shape ({loops},), which is both a schedule "
+          f"for loops={loops} and a batch like the blocks' {batch}. Pass "
+          "programs.schedule(values) for a schedule, or vmap over a batch of "
+          "scalar values.")
   values = {b.name: (jnp.broadcast_to(arrays[b.name], (*batch, *b.shape))
                      if b.name in arrays else jnp.zeros((*batch, *b.shape),
                                                         dtype))

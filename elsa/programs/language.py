@@ -31,6 +31,7 @@ import dataclasses
 import numbers
 from typing import Any, Callable, Mapping
 
+import jax
 import numpy as np
 
 # --- runtime scalars ---------------------------------------------------------
@@ -62,7 +63,9 @@ class Scalar:
       return Scalar(lambda _, x=x: x, frozenset(), repr(x))
     raise TypeError(f"programs: {x!r} is not a scalar; coefficients are numbers "
                     "or runtime scalars (prog.scalar), not data-dependent "
-                    "values.")
+                    "values. A coefficient computed with numpy or jax.numpy is "
+                    "an array: pass float(c) for a constant, or declare a "
+                    "runtime scalar and give its value to params/run.")
 
   def _combine(self, other, op, symbol, swap=False):
     try:
@@ -147,7 +150,9 @@ class Term:
 _REFUSE_ARRAY = ("programs: {name} is a symbolic block, not an array; ELSA "
                  "computes polynomials of its tokens (sums of products of at "
                  "most three blocks), so nonlinearities and numpy/jax functions "
-                 "of blocks cannot be compiled.")
+                 "of blocks (norms, float(), jnp.*) cannot be compiled, and a "
+                 "coefficient is a Python number or a runtime scalar "
+                 "(prog.scalar), not a numpy/jax array.")
 
 
 class Expr:
@@ -256,6 +261,11 @@ class Expr:
     raise TypeError(f"programs: {self.text()} has no truth value; programs have "
                     "no data-dependent control flow.")
 
+  def _refuse_number(self, *_):
+    raise TypeError(_REFUSE_ARRAY.format(name=self.text()))
+
+  __float__ = __int__ = __complex__ = __index__ = _refuse_number
+
 
 class BlockExpr(Expr):
   """The expression of one declared block; also a key of ``layer``/``loop``."""
@@ -265,6 +275,13 @@ class BlockExpr(Expr):
     self.block = block
 
   __hash__ = object.__hash__
+
+
+# A pytree without leaves: a jitted jax function (jnp.linalg.norm, jnp.sum)
+# then meets the Expr itself in its body, where ``__jax_array__`` refuses it
+# with the language's message, instead of failing to abstractify it.
+for _cls in (Expr, BlockExpr):
+  jax.tree_util.register_pytree_node(_cls, lambda e: ((), e), lambda e, _: e)
 
 
 def _coef_product(a: Scalar, b: Scalar) -> Scalar:
@@ -416,6 +433,11 @@ class Stage:
   label: str
 
 
+# Keyword arguments of Compiled.encode/params and programs.run, beside which
+# blocks and scalars are passed by name.
+RESERVED_NAMES = frozenset({"dtype", "loops", "prog", "self"})
+
+
 class Program:
   """A matrix program: inputs, states, runtime scalars and layers (module doc)."""
 
@@ -427,6 +449,10 @@ class Program:
   def _name(self, name: str) -> str:
     if not isinstance(name, str) or not name.isidentifier():
       raise ValueError(f"programs: names are identifiers, got {name!r}.")
+    if name in RESERVED_NAMES:
+      raise ValueError(f"programs: the name {name!r} is a keyword argument of "
+                       "encode, params or run (blocks and scalars are passed "
+                       f"by name there); reserved: {sorted(RESERVED_NAMES)}.")
     if name in self.blocks or name in self.scalars:
       raise ValueError(f"programs: the name {name!r} is already declared.")
     return name
@@ -552,6 +578,15 @@ class Program:
       self._check_terms(expr, f"{label}, {block.name} = ...")
       out.append((block, expr))
     self.stages.append(Stage(tuple(out), repeat, label))
+
+  def snapshot(self) -> "Program":
+    """A copy with the blocks, scalars and layers declared so far; later
+    declarations on either do not reach the other. (Blocks and layers are
+    immutable, so the copy shares them.)"""
+    copy = Program()
+    copy.blocks, copy.scalars = dict(self.blocks), dict(self.scalars)
+    copy.stages = list(self.stages)
+    return copy
 
   # --- derived views ----------------------------------------------------------
 
