@@ -10,10 +10,13 @@ Nothing here knows about attention: these are the independent references the
 ELSA constructions are checked against.
 
 Arguments are checked as :mod:`elsa._validate` says (wrong type or dtype:
-``TypeError``; wrong shape or value: ``ValueError``): ``N >= 1`` examples;
-``lam`` a scalar or an array whose shape broadcasts to the batch axes of
-``x``, the same rule in every function; and, where ridge GD and its minimiser
-need them, ``lam >= 0`` and ``eta > 0``, checked when the values are concrete.
+``TypeError``; wrong shape or value: ``ValueError``): ``N >= 1`` examples of
+``d >= 1`` features; ``lam`` a scalar or an array whose shape broadcasts to
+the batch axes of ``x``, the same rule in every function; and, where ridge GD
+and its minimiser need them, finite ``lam >= 0`` and ``eta > 0``, checked
+when the values are concrete. A call whose outputs (the ``[d, d]`` normal
+matrix of every task, every GD iterate, the sampled tasks) cannot fit in the
+devices' memory is refused before anything is allocated.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from elsa import _validate
 
@@ -38,13 +42,28 @@ def _mm(a: Array, b: Array) -> Array:
 
 
 def _check_x(fn: str, x: Array) -> None:
-  """``x [..., N, d]``, floating, with ``N >= 1`` (the objective divides by N)."""
+  """``x [..., N, d]``, floating, with ``N >= 1`` (the objective divides by N)
+  and ``d >= 1``."""
   if jnp.ndim(x) < 2:
     raise ValueError(f"{fn}: x must have shape [..., N, d], got {jnp.shape(x)}.")
   _validate.floating(fn, "x", x)
   if jnp.shape(x)[-2] < 1:
     raise ValueError(f"{fn}: x must hold N >= 1 examples (shape [..., N, d]), "
                      f"got shape {jnp.shape(x)}.")
+  if jnp.shape(x)[-1] < 1:
+    raise ValueError(f"{fn}: x must hold d >= 1 features (shape [..., N, d]), "
+                     f"got shape {jnp.shape(x)}.")
+
+
+def _check_gram_fits(fn: str, x: Array, more: tuple[tuple[int, ...], ...] = (),
+                     fields: dict | None = None) -> None:
+  """Refuses ``x [..., N, d]`` whose ``[..., d, d]`` normal matrices, with
+  arrays of the shapes ``more``, cannot fit in memory; the message names
+  ``fields`` (default: the shape of ``x``)."""
+  batch, d = jnp.shape(x)[:-2], jnp.shape(x)[-1]
+  _validate.fits_memory(fn, _validate.array_bytes(
+      jnp.result_type(x), (*batch, d, d), *more),
+                        fields or {"x.shape": jnp.shape(x)})
 
 
 def _check_xy(fn: str, x: Array, y: Array) -> None:
@@ -84,6 +103,7 @@ def normal_equations(x: Array, y: Array, *, lam) -> tuple[Array, Array]:
   """``A = X^T X / N + lam I`` ``[..., d, d]`` and ``b = X^T y / N`` ``[..., d(, n_out)]``."""
   _check_xy("normal_equations", x, y)
   _check_lam("normal_equations", lam, x)
+  _check_gram_fits("normal_equations", x)
   return _normal_equations(x, y, lam=lam)
 
 
@@ -149,14 +169,20 @@ def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
     ``[steps + 1, ..., d(, n_out)]``: ``w_0, w_1, ..., w_steps``.
 
   Raises:
-    ValueError: a shape does not match, ``N = 0``, ``steps < 0``, or a
-      concrete ``lam < 0`` or ``eta <= 0``.
+    ValueError: a shape does not match, ``N = 0``, ``d = 0``, ``steps < 0``,
+      a concrete ``lam < 0`` or ``eta <= 0`` or a non-finite one, or the
+      iterates cannot fit in memory.
     TypeError: ``x`` is not floating, ``y`` or ``w0`` has another dtype, or
       ``steps`` is not an integer.
   """
   steps = _validate.int_at_least("gd", "steps", steps, low=0)
   _validate.at_least("gd", "lam", lam, low=0, strict=False)
   _validate.at_least("gd", "eta", eta, low=0, strict=True)
+  _check_xy("gd", x, y)
+  iterates = (steps + 1, *jnp.shape(x)[:-2], jnp.shape(x)[-1],
+              *jnp.shape(y)[jnp.ndim(x) - 1:])
+  _check_gram_fits("gd", x, (iterates,), {
+      "steps": steps, "x.shape": jnp.shape(x), "y.shape": jnp.shape(y)})
   return _gd(x, y, lam=lam, eta=eta, steps=steps, w0=w0)
 
 
@@ -164,7 +190,6 @@ def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
 @functools.partial(jax.jit, static_argnames=("steps",))
 def _gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None
         ) -> Array:
-  _check_xy("gd", x, y)
   _check_lam("gd", lam, x)
   eta = jnp.asarray(eta, x.dtype)
   if eta.shape not in ((), (steps,)):
@@ -214,6 +239,7 @@ def solve(x: Array, y: Array, *, lam) -> Array:
   _check_xy("solve", x, y)
   _check_lam("solve", lam, x)
   _validate.at_least("solve", "lam", lam, low=0, strict=False)
+  _check_gram_fits("solve", x)
   y2, vector = _as_matrix(x, y)
   a, b = _normal_equations(x, y2, lam=lam)
   evals, evecs = jnp.linalg.eigh(a)
@@ -232,6 +258,7 @@ def stability_limit(x: Array, *, lam) -> Array:
   :func:`safe_alpha` is a step inside it without an eigendecomposition.
   """
   _check_x("stability_limit", x)
+  _check_gram_fits("stability_limit", x)
   gram = _mm(jnp.swapaxes(x, -1, -2), x) / jnp.shape(x)[-2]
   return 2 / (jnp.linalg.eigvalsh(gram)[..., -1] + jnp.asarray(lam, x.dtype))
 
@@ -267,6 +294,7 @@ def safe_alpha(x: Array, *, lam) -> Array:
   _check_x("safe_alpha", x)
   _check_lam("safe_alpha", lam, x)
   _validate.at_least("safe_alpha", "lam", lam, low=0, strict=False)
+  _check_gram_fits("safe_alpha", x)
   d = jnp.shape(x)[-1]
   gram = _mm(jnp.swapaxes(x, -1, -2), x) / jnp.shape(x)[-2]
   lam = jnp.asarray(lam, x.dtype)
@@ -286,8 +314,6 @@ class Task(NamedTuple):
   w_true: Array
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "batch", "n_train", "d", "n_query", "n_out", "dtype"))
 def sample_tasks(key: Array, *, batch: int, n_train: int, d: int,
                  n_query: int = 1, n_out: int | None = None,
                  noise: float = 0.0, x_scale: float = 1.0, w_scale: float = 1.0,
@@ -296,15 +322,72 @@ def sample_tasks(key: Array, *, batch: int, n_train: int, d: int,
 
   Args:
     key: ``jax.random`` key; the same key gives the same tasks.
-    batch, n_train, d, n_query: task count, examples, input dimension, queries.
-    n_out: ``None`` for scalar targets ``[..., N]``, or ``n_out`` for ``[..., N, n_out]``.
-    noise: standard deviation of the label noise.
+    batch, n_train, d: task count, examples, input dimension (ints ``>= 1``).
+    n_query: queries per task, an int ``>= 0``.
+    n_out: ``None`` for scalar targets ``[..., N]``, or an int ``n_out >= 1``
+      for ``[..., N, n_out]``.
+    noise: standard deviation of the label noise, ``>= 0``.
     x_scale: inputs are ``x_scale * L z`` with ``z`` standard normal.
     w_scale: ``w_true`` is ``w_scale`` times standard normal.
-    x_cov: optional input covariance ``[d, d]`` (``L`` its Cholesky factor).
+    x_cov: optional input covariance ``[d, d]``, symmetric positive definite
+      (``L`` its Cholesky factor).
     dtype: floating dtype of every array (default: JAX's default float).
+
+  Raises:
+    ValueError: a size below its minimum; a concrete ``noise < 0``, a
+      non-finite ``noise``, ``x_scale`` or ``w_scale``; a concrete ``x_cov``
+      of the wrong shape or not symmetric positive definite; tasks that
+      cannot fit in the devices' memory (checked before allocating).
+    TypeError: a size that is not an int (a bool is not one), or a dtype
+      that is not floating.
   """
-  dtype = _validate.float_dtype(dtype)
+  fn = "sample_tasks"
+  sizes = {name: _validate.int_at_least(fn, name, value, low=low)
+           for name, value, low in (("batch", batch, 1), ("n_train", n_train, 1),
+                                    ("d", d, 1), ("n_query", n_query, 0))}
+  if n_out is not None:
+    n_out = _validate.int_at_least(fn, "n_out", n_out, low=1)
+  dtype = _validate.floating_dtype(fn, dtype)
+  _validate.at_least(fn, "noise", noise, low=0, strict=False)
+  _validate.finite(fn, "x_scale", x_scale)
+  _validate.finite(fn, "w_scale", w_scale)
+  if x_cov is not None:
+    _check_cov(fn, x_cov, sizes["d"], dtype)
+  batch, n_train, d, n_query = sizes.values()
+  out = () if n_out is None else (n_out,)
+  _validate.fits_memory(fn, _validate.array_bytes(
+      dtype, (batch, n_train + n_query, d), (batch, n_train + n_query, *out),
+      (batch, d, *out)), {**sizes, "n_out": n_out})
+  return _sample_tasks(key, batch=batch, n_train=n_train, d=d, n_query=n_query,
+                       n_out=n_out, noise=noise, x_scale=x_scale,
+                       w_scale=w_scale, x_cov=x_cov, dtype=dtype)
+
+
+def _check_cov(fn: str, x_cov, d: int, dtype) -> None:
+  """``x_cov [d, d]``; a concrete one symmetric with a finite Cholesky factor
+  in ``dtype`` (positive definite), since the inputs are ``L z``."""
+  if jnp.shape(x_cov) != (d, d):
+    raise ValueError(f"{fn}: x_cov must have shape ({d}, {d}) for d={d}, got "
+                     f"{jnp.shape(x_cov)}.")
+  _validate.finite(fn, "x_cov", x_cov)
+  cov = _validate.concrete(x_cov)
+  if cov is None:
+    return
+  cov = cov.astype(np.float64)
+  if not np.allclose(cov, cov.T):
+    raise ValueError(f"{fn}: x_cov must be symmetric (a covariance), got "
+                     f"max |x_cov - x_cov^T| = {np.abs(cov - cov.T).max():.3g}.")
+  if not np.all(np.isfinite(jnp.linalg.cholesky(jnp.asarray(cov, dtype)))):
+    raise ValueError(f"{fn}: x_cov must be symmetric positive definite (its "
+                     f"Cholesky factor scales the inputs), got smallest "
+                     f"eigenvalue {np.linalg.eigvalsh(cov)[0]:.3g} (in {dtype}).")
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "batch", "n_train", "d", "n_query", "n_out", "dtype"))
+def _sample_tasks(key: Array, *, batch: int, n_train: int, d: int,
+                  n_query: int, n_out: int | None, noise, x_scale, w_scale,
+                  x_cov: Array | None, dtype) -> Task:
   kx, kq, kw, kn, knq = jax.random.split(key, 5)
   out = () if n_out is None else (n_out,)
   chol = (jnp.eye(d, dtype=dtype) if x_cov is None

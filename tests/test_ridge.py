@@ -1,13 +1,16 @@
 """Ridge references against plain numpy: loss, gd, solve, stability limit, tasks."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elsa import ridge
+from elsa import _validate, ridge
 from helpers import rel_err
 
 RTOL = 1e-12
@@ -331,3 +334,137 @@ def test_safe_alpha_refuses_what_the_other_references_refuse():
        TypeError, "floating")):
     with pytest.raises(error, match=message):
       bad()
+
+
+# --- one refusal policy (elsa._validate) ---------------------------------------
+
+_KEY = jax.random.key(0)
+_TASKS = dict(batch=2, n_train=3, d=2)
+_NOT_PD = jnp.asarray([[1.0, 2.0], [2.0, 1.0]])  # eigenvalues 3 and -1
+
+
+def _x_y():
+  return jnp.ones((2, 4, 3)), jnp.ones((2, 4))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda x, y: ridge.gd(x, y, lam=0.1, eta=jnp.inf, steps=2), ValueError,
+     "gd: eta must be > 0, got inf; only finite values are allowed"),
+    (lambda x, y: ridge.gd(x, y, lam=0.1, eta=jnp.asarray([0.1, -jnp.inf]),
+                           steps=2), ValueError,
+     r"gd: eta must be > 0, got -inf in eta\(2,\); only finite"),
+    (lambda x, y: ridge.gd(x, y, lam=np.inf, eta=0.1, steps=2), ValueError,
+     "gd: lam must be >= 0, got inf; only finite"),
+    (lambda x, y: ridge.gd(x, y, lam=-1.0, eta=0.1, steps=2), ValueError,
+     "gd: lam must be >= 0, got -1"),
+    (lambda x, y: ridge.gd(x, y, lam="0.1", eta=0.1, steps=2), TypeError,
+     "gd: lam must be a real number, got '0.1'"),
+    (lambda x, y: ridge.gd(x, y, lam=0.1, eta=0.1, steps=True), TypeError,
+     "gd: steps must be an int >= 0, got True"),
+    (lambda x, y: ridge.solve(x, y, lam=jnp.inf), ValueError,
+     "solve: lam must be >= 0, got inf; only finite"),
+    (lambda x, y: ridge.solve(jnp.ones((6, 0)), jnp.ones(6), lam=0.1),
+     ValueError, r"solve: x must hold d >= 1 features .*got shape \(6, 0\)"),
+    (lambda x, y: ridge.gd(x[..., :0], y, lam=0.1, eta=0.1, steps=1),
+     ValueError, r"gd: x must hold d >= 1 features"),
+    (lambda x, y: ridge.safe_alpha(x, lam=np.nan), ValueError,
+     "safe_alpha: lam must be >= 0, got nan; only finite"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **{**_TASKS, "n_train": 0}),
+     ValueError, "sample_tasks: n_train must be an int >= 1, got 0"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **{**_TASKS, "d": 0}),
+     ValueError, "sample_tasks: d must be an int >= 1, got 0"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **{**_TASKS, "batch": -1}),
+     ValueError, "sample_tasks: batch must be an int >= 1, got -1"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **{**_TASKS, "batch": 2.0}),
+     TypeError, "sample_tasks: batch must be an int >= 1, got 2.0"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **{**_TASKS, "n_query": -1}),
+     ValueError, "sample_tasks: n_query must be an int >= 0, got -1"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, n_out=0),
+     ValueError, "sample_tasks: n_out must be an int >= 1, got 0"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, noise=-1.0),
+     ValueError, "sample_tasks: noise must be >= 0, got -1"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, noise=np.nan),
+     ValueError, "sample_tasks: noise must be >= 0, got nan; only finite"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, x_scale=np.inf),
+     ValueError, "sample_tasks: x_scale must be finite, got inf"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, w_scale=-np.inf),
+     ValueError, "sample_tasks: w_scale must be finite, got -inf"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, x_cov=_NOT_PD),
+     ValueError, "sample_tasks: x_cov must be symmetric positive definite.*"
+     "smallest eigenvalue -1"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, x_cov=jnp.eye(3)),
+     ValueError, r"sample_tasks: x_cov must have shape \(2, 2\) for d=2, got "
+     r"\(3, 3\)"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS,
+                                     x_cov=jnp.asarray([[1.0, 0.5], [0.0, 1.0]])),
+     ValueError, "sample_tasks: x_cov must be symmetric"),
+    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, dtype=jnp.int32),
+     TypeError, "sample_tasks: dtype must be a floating dtype"),
+])
+def test_refusal_policy(call, error, message):
+  """Every entry point refuses the same things the same way: negative lam,
+  non-positive or non-finite steps and strengths, zero sizes, bools and
+  floats as sizes, integer dtypes; the message names the function and the
+  argument and says what is allowed."""
+  with pytest.raises(error, match=message):
+    call(*_x_y())
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ridge.sample_tasks(_KEY, batch=100, n_train=100, d=10),
+     "sample_tasks: batch=100, n_train=100, d=10, n_query=1, n_out=None need "
+     "at least"),
+    (lambda: ridge.gd(*_x_y(), lam=0.1, eta=0.1, steps=10**5),
+     r"gd: steps=100000, x.shape=\(2, 4, 3\), y.shape=\(2, 4\) need at least"),
+    (lambda: ridge.solve(jnp.ones((1, 2, 100)), jnp.ones((1, 2)), lam=0.1),
+     r"solve: x.shape=\(1, 2, 100\) need at least"),
+    (lambda: ridge.normal_equations(jnp.ones((1, 2, 100)), jnp.ones((1, 2)),
+                                    lam=0.1),
+     r"normal_equations: x.shape=\(1, 2, 100\) need at least"),
+    (lambda: ridge.safe_alpha(jnp.ones((1, 2, 100)), lam=0.1),
+     r"safe_alpha: x.shape=\(1, 2, 100\) need at least"),
+    (lambda: ridge.stability_limit(jnp.ones((1, 2, 100)), lam=0.1),
+     r"stability_limit: x.shape=\(1, 2, 100\) need at least"),
+])
+def test_sizes_that_cannot_fit_are_refused_before_allocation(monkeypatch, call,
+                                                              message):
+  """Against a device memory of 64 KiB (monkeypatched, so that a regression
+  fails here instead of allocating): the outputs (the d x d normal matrix of
+  each task, every GD iterate, the tasks) are counted before anything is
+  allocated, and the fields that set them are named."""
+  monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**16)
+  with pytest.raises(ValueError, match=message + r" .* GiB, more than the "
+                     r"6.1e-05 GiB the devices of this process hold"):
+    call()
+  monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**40)
+  call()
+
+
+def test_a_huge_request_is_refused_not_aborted():
+  """Issue 24: sample_tasks(batch=10**6, n_train=10**6, d=10**3) killed the
+  Python process inside XLA (a check failure). Against the real memory of
+  this machine, in a subprocess so that a regression fails the test rather
+  than the test run."""
+  code = ("import jax, elsa\n"
+          "try:\n"
+          "  elsa.ridge.sample_tasks(jax.random.key(0), batch=10**6, "
+          "n_train=10**6, d=10**3)\n"
+          "except ValueError as e:\n"
+          "  print(e)\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "-c", code], cwd=root,
+                        env={**os.environ, "PYTHONPATH": root},
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert re.match(r"sample_tasks: batch=1000000, n_train=1000000, d=1000, "
+                  r"n_query=1, n_out=None need at least 3.7\de\+06 GiB, more "
+                  r"than the .* GiB the devices of this process hold", done.stdout)
+
+
+def test_memory_is_that_of_the_addressable_devices():
+  """On CPU: host RAM, counted once however many CPU devices there are."""
+  assert jax.local_devices()[0].platform == "cpu"
+  assert _validate.memory_bytes() == (os.sysconf("SC_PAGE_SIZE")
+                                      * os.sysconf("SC_PHYS_PAGES"))
+  assert _validate.array_bytes(jnp.float32, (10**6, 10**6, 10**3), (3,)) == (
+      4 * (10**15 + 3))
