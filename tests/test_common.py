@@ -37,7 +37,7 @@ def test_matching_config_is_claimed_again_and_keeps_results(tmp_path):
 
 
 def test_overwrite_deletes_only_what_the_driver_wrote(tmp_path):
-  """Manifest names, config/results and the owned names go; the user's
+  """Manifest names (a checkpoint tree whole), config/results go; the user's
   look-alikes (results_analysis/, partial_derivatives.txt) stay."""
   workdir = str(tmp_path)
   with common.claim_workdir(workdir, _config()) as wd:

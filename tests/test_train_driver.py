@@ -150,7 +150,11 @@ def test_overwrite_does_not_resume_old_checkpoints(tmp_path, monkeypatch):
   resumed_at = []
   monkeypatch.setattr(common.Progress, "resumed",
                       lambda self, count: resumed_at.append(count))
+  mine = os.path.join(workdir, "checkpoints", "README_mine.txt")
+  with open(mine, "w", encoding="utf-8") as f:
+    f.write("mine")
   new = train.run(config, workdir, overwrite=True)
+  assert os.path.exists(mine)  # beside the checkpoints, not the driver's
   assert resumed_at == []  # every model trained from step 0
   # Only the new run's last checkpoint: the old ones (10, 20) were deleted.
   assert _checkpoints(workdir) == ["20"]
