@@ -74,18 +74,40 @@ class ElsaParams(NamedTuple):
     """Value width, the feature count of the output."""
     return self.w2.shape[-1]
 
+  @staticmethod
+  def _shapes(fn: str, *, m, n, k, v, lead, dtype
+              ) -> tuple[tuple[tuple[int, ...], ...], jnp.dtype]:
+    """The leaf shapes ``[*lead, ...]`` in field order and the dtype, checked:
+    sizes are ints ``>= 1``, the dtype floating, and the leaves must fit in
+    the devices' memory (:mod:`elsa._validate`)."""
+    m, n, k = (_validate.int_at_least(fn, name, value, low=1)
+               for name, value in (("m", m), ("n", n), ("k", k)))
+    v = n if v is None else _validate.int_at_least(fn, "v", v, low=1)
+    if not isinstance(lead, (tuple, list)):
+      raise TypeError(f"{fn}: lead must be a tuple of ints >= 1, got "
+                      f"{lead!r}.")
+    lead = tuple(_validate.int_at_least(fn, f"lead[{i}]", size, low=1)
+                 for i, size in enumerate(lead))
+    dtype = _validate.floating_dtype(fn, dtype)
+    shapes = tuple((*lead, *shape) for shape in (
+        (n, k), (n, v), (n, k), (m, k), (m, v), (m, k)))
+    _validate.fits_memory(fn, _validate.array_bytes(dtype, *shapes),
+                          dict(m=m, n=n, k=k, v=v, lead=lead))
+    return shapes, dtype
+
   @classmethod
   def zeros(cls, *, m: int, n: int, k: int, v: int | None = None,
             lead: tuple[int, ...] = (), dtype=None) -> ElsaParams:
     """All-zero parameters with leaves ``[*lead, ...]`` (``v`` defaults to ``n``).
 
-    ``dtype``: floating dtype of every leaf (default: JAX's default float).
+    ``m, n, k, v`` and every entry of ``lead`` are ints ``>= 1``; ``dtype``:
+    floating dtype of every leaf (default: JAX's default float). Raises
+    ``TypeError``/``ValueError`` otherwise, and ``ValueError`` for leaves
+    that cannot fit in the devices' memory, before allocating.
     """
-    v = n if v is None else v
-    dtype = float_dtype(dtype)
-    z = lambda *shape: jnp.zeros((*lead, *shape), dtype)
-    return cls(w1=z(n, k), w2=z(n, v), w3=z(n, k),
-               b1=z(m, k), b2=z(m, v), b3=z(m, k))
+    shapes, dtype = cls._shapes("ElsaParams.zeros", m=m, n=n, k=k, v=v,
+                                lead=lead, dtype=dtype)
+    return cls(*(jnp.zeros(shape, dtype) for shape in shapes))
 
   @classmethod
   def init(cls, key: Array, *, m: int, n: int, k: int, v: int | None = None,
@@ -96,21 +118,28 @@ class ElsaParams(NamedTuple):
     Args:
       key: a ``jax.random`` key; the same key gives the same parameters.
       m, n, k, v: token count, feature count, inner width, value width
-        (``v`` defaults to ``n``).
-      lead: leading axes, e.g. ``(L, C)`` for a stack.
-      scale: standard deviation of the weights; default ``n ** -0.5``.
+        (``v`` defaults to ``n``); ints ``>= 1``.
+      lead: leading axes, e.g. ``(L, C)`` for a stack; ints ``>= 1``.
+      scale: standard deviation of the weights, finite and ``>= 0``;
+        default ``n ** -0.5``.
       bias_scale: standard deviation of the biases; default ``scale``.
       dtype: floating dtype of every leaf (default: JAX's default float).
+
+    Raises:
+      TypeError, ValueError: as :meth:`zeros`, and for a concrete scale that
+        is negative or not finite.
     """
-    v = n if v is None else v
-    dtype = float_dtype(dtype)
+    fn = "ElsaParams.init"
+    shapes, dtype = cls._shapes(fn, m=m, n=n, k=k, v=v, lead=lead,
+                                dtype=dtype)
     scale = n ** -0.5 if scale is None else scale
     bias_scale = scale if bias_scale is None else bias_scale
-    shapes = cls.zeros(m=m, n=n, k=k, v=v, lead=lead, dtype=dtype)
+    _validate.at_least(fn, "scale", scale, low=0, strict=False)
+    _validate.at_least(fn, "bias_scale", bias_scale, low=0, strict=False)
     keys = jax.random.split(key, len(shapes))
     stds = (scale, scale, scale, bias_scale, bias_scale, bias_scale)
-    return cls(*(std * jax.random.normal(kk, leaf.shape, dtype)
-                 for kk, leaf, std in zip(keys, shapes, stds)))
+    return cls(*(std * jax.random.normal(kk, shape, dtype)
+                 for kk, shape, std in zip(keys, shapes, stds)))
 
 
 _NAMES = ElsaParams._fields
@@ -647,13 +676,26 @@ def prune(p: ElsaParams) -> PrunedStack:
   one shared basis (their scalars in ``coeffs``).
 
   Raises:
-    TypeError: a leaf is traced (prune outside ``jit`` and close over the
-      result) or not floating.
-    ValueError: shapes as for :func:`elsa_stack`.
+    TypeError: ``p`` is not :class:`ElsaParams`, or a leaf is traced (prune
+      outside ``jit`` and close over the result) or not floating.
+    ValueError: a leaf is not of rank 4 or not finite (the pruned stack
+      equals the dense one only for finite parameters: a dropped zero times
+      an infinite entry is NaN in the dense stack); shapes as for
+      :func:`elsa_stack`.
   """
+  fn = "prune"
+  if not isinstance(p, ElsaParams):
+    raise TypeError(f"{fn}: p must be an ElsaParams with leaves [L, C, ...], "
+                    f"got {type(p).__name__}.")
   if any(isinstance(leaf, jax.core.Tracer) for leaf in p):
     raise TypeError("prune: p must be concrete (call prune outside jit and "
                     "close over the PrunedStack); got a traced leaf.")
+  for name, leaf in zip(_NAMES, p):
+    _validate.floating(fn, f"p.{name}", leaf)
+    if jnp.ndim(leaf) != 4:
+      raise ValueError(f"{fn}: p.{name} must have rank 4 [L, C, rows, cols], "
+                       f"got shape {jnp.shape(leaf)}.")
+    _validate.finite(fn, f"p.{name}", leaf)
   m, n = p.b1.shape[-2], p.w1.shape[-2]
   h = jnp.zeros((m, n), jnp.result_type(p.w1))
   _check(p, h, lead=("L", "C"), fn="prune")

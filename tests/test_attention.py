@@ -609,3 +609,73 @@ def test_prune_refusals():
     pruned(jnp.ones((5, 4), jnp.float32))
   with pytest.raises(ValueError, match="PrunedStack: coeffs must have shape"):
     pruned(jnp.ones((5, 4)), coeffs=jnp.ones((2, 3, 2)))
+
+
+# --- one refusal policy at the entries that build or take parameters ---------
+
+_SIZES = dict(m=3, n=2, k=2)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: ElsaParams.init(jax.random.key(0), m=-1, n=2, k=2), ValueError,
+     "ElsaParams.init: m must be an int >= 1, got -1"),
+    (lambda: ElsaParams.zeros(m=-1, n=2, k=2), ValueError,
+     "ElsaParams.zeros: m must be an int >= 1, got -1"),
+    (lambda: ElsaParams.zeros(m=3, n=2, k=0), ValueError,
+     "ElsaParams.zeros: k must be an int >= 1, got 0"),
+    (lambda: ElsaParams.zeros(**_SIZES, v=0), ValueError,
+     "ElsaParams.zeros: v must be an int >= 1, got 0"),
+    (lambda: ElsaParams.zeros(m=3, n=2.0, k=2), TypeError,
+     "ElsaParams.zeros: n must be an int >= 1, got 2.0"),
+    (lambda: ElsaParams.init(jax.random.key(0), **_SIZES, v=True), TypeError,
+     "ElsaParams.init: v must be an int >= 1, got True"),
+    (lambda: ElsaParams.zeros(**_SIZES, lead=(2, 0)), ValueError,
+     r"ElsaParams.zeros: lead\[1\] must be an int >= 1, got 0"),
+    (lambda: ElsaParams.zeros(**_SIZES, lead=3), TypeError,
+     "ElsaParams.zeros: lead must be a tuple of ints >= 1, got 3"),
+    (lambda: ElsaParams.zeros(**_SIZES, dtype=jnp.int32), TypeError,
+     "ElsaParams.zeros: dtype must be a floating dtype"),
+    (lambda: ElsaParams.init(jax.random.key(0), **_SIZES, dtype="int8"),
+     TypeError, "ElsaParams.init: dtype must be a floating dtype"),
+    (lambda: ElsaParams.init(jax.random.key(0), **_SIZES, scale=np.nan),
+     ValueError, "ElsaParams.init: scale must be >= 0, got nan; only finite"),
+    (lambda: ElsaParams.init(jax.random.key(0), **_SIZES, bias_scale=-1.0),
+     ValueError, "ElsaParams.init: bias_scale must be >= 0, got -1"),
+    (lambda: elsa.prune((1, 2, 3)), TypeError,
+     r"prune: p must be an ElsaParams with leaves \[L, C, \.\.\.\], got tuple"),
+    (lambda: elsa.prune(ElsaParams.zeros(**_SIZES, lead=(1, 1))._replace(
+        w2=jnp.zeros((1, 1, 2, 2), jnp.int32))), TypeError,
+     "prune: p.w2 must have a floating dtype, got int32"),
+    (lambda: elsa.prune(ElsaParams(*[jnp.ones(3)] * 6)), ValueError,
+     r"prune: p.w1 must have rank 4 \[L, C, rows, cols\], got shape \(3,\)"),
+    (lambda: elsa.prune(ElsaParams.zeros(**_SIZES, lead=(1, 1))._replace(
+        b3=jnp.full((1, 1, 3, 2), jnp.inf))), ValueError,
+     r"prune: p.b3 must be finite, got inf in p.b3\(1, 1, 3, 2\)"),
+])
+def test_refusal_policy(call, error, message):
+  """The same refusals as every entry point (elsa._validate): sizes are ints
+  >= 1, dtypes floating, scales finite and >= 0; prune names the leaf at
+  fault (it said "h must have a floating dtype" of integer parameters, and
+  raised AttributeError for a tuple)."""
+  with pytest.raises(error, match=message):
+    call()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ElsaParams.zeros(m=100, n=10, k=10, lead=(10,)),
+     r"ElsaParams.zeros: m=100, n=10, k=10, v=10, lead=\(10,\) need at least"),
+    (lambda: ElsaParams.init(jax.random.key(0), m=100, n=10, k=10, v=3,
+                             lead=(10,)),
+     r"ElsaParams.init: m=100, n=10, k=10, v=3, lead=\(10,\) need at least"),
+])
+def test_parameters_that_cannot_fit_are_refused_before_allocation(
+    monkeypatch, call, message):
+  """Against a device memory of 64 KiB (monkeypatched): refused by name
+  before anything is allocated, instead of an array that never
+  materialises."""
+  from elsa import _validate  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**16)
+  with pytest.raises(ValueError, match=message):
+    call()
+  monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**40)
+  call()
