@@ -100,9 +100,9 @@ def _real(fn: str, name: str, value) -> np.ndarray | None:
   """A concrete ``value`` as a real numpy array (``None`` when traced);
   ``TypeError`` for anything that is not real numbers."""
   found = concrete(value)
-  # jnp.issubdtype: numpy does not count bfloat16 (ml_dtypes) as floating.
-  if found is not None and not (jnp.issubdtype(found.dtype, jnp.floating)
-                                or jnp.issubdtype(found.dtype, jnp.integer)):
+  # Kinds float, int, uint; numpy does not count bfloat16 (ml_dtypes) as one.
+  if found is not None and found.dtype.kind not in "fiu" and not (
+      jnp.issubdtype(found.dtype, jnp.floating)):
     raise TypeError(f"{fn}: {name} must be a real number, got {value!r}.")
   return found
 

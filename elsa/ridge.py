@@ -178,11 +178,6 @@ def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
   steps = _validate.int_at_least("gd", "steps", steps, low=0)
   _validate.at_least("gd", "lam", lam, low=0, strict=False)
   _validate.at_least("gd", "eta", eta, low=0, strict=True)
-  _check_xy("gd", x, y)
-  iterates = (steps + 1, *jnp.shape(x)[:-2], jnp.shape(x)[-1],
-              *jnp.shape(y)[jnp.ndim(x) - 1:])
-  _check_gram_fits("gd", x, (iterates,), {
-      "steps": steps, "x.shape": jnp.shape(x), "y.shape": jnp.shape(y)})
   return _gd(x, y, lam=lam, eta=eta, steps=steps, w0=w0)
 
 
@@ -190,7 +185,13 @@ def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
 @functools.partial(jax.jit, static_argnames=("steps",))
 def _gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None
         ) -> Array:
+  # Shapes are checked here, once per compile, not on every eager call.
+  _check_xy("gd", x, y)
   _check_lam("gd", lam, x)
+  iterates = (steps + 1, *jnp.shape(x)[:-2], jnp.shape(x)[-1],
+              *jnp.shape(y)[jnp.ndim(x) - 1:])
+  _check_gram_fits("gd", x, (iterates,), {
+      "steps": steps, "x.shape": jnp.shape(x), "y.shape": jnp.shape(y)})
   eta = jnp.asarray(eta, x.dtype)
   if eta.shape not in ((), (steps,)):
     raise ValueError(f"gd: eta must be a scalar or a schedule of shape "
