@@ -77,9 +77,9 @@ def _fits(fn: str, dtype, *, m: int, n: int, v: int, k: int = 1) -> None:
   """Refuses a component ``[m, n] -> [m, v]`` of inner width ``k`` (by
   default the least) whose parameters cannot fit in memory, naming ``m, n,
   v``; called before anything of that size is allocated."""
-  _validate.fits_memory(fn, _validate.array_bytes(
-      dtype, (n, k), (n, v), (n, k), (m, k), (m, v), (m, k)),
-                        dict(m=m, n=n, v=v))
+  nbytes = _validate.array_bytes(dtype, (n, k), (n, v), (n, k), (m, k),
+                                 (m, v), (m, k))
+  _validate.fits_memory(fn, nbytes, dict(m=m, n=n, v=v))
 
 
 def _indices(idx, size: int, fn: str, name: str, axis: str) -> tuple[int, ...]:

@@ -61,9 +61,8 @@ def _check_gram_fits(fn: str, x: Array, more: tuple[tuple[int, ...], ...] = (),
   arrays of the shapes ``more``, cannot fit in memory; the message names
   ``fields`` (default: the shape of ``x``)."""
   batch, d = jnp.shape(x)[:-2], jnp.shape(x)[-1]
-  _validate.fits_memory(fn, _validate.array_bytes(
-      jnp.result_type(x), (*batch, d, d), *more),
-                        fields or {"x.shape": jnp.shape(x)})
+  nbytes = _validate.array_bytes(jnp.result_type(x), (*batch, d, d), *more)
+  _validate.fits_memory(fn, nbytes, fields or {"x.shape": jnp.shape(x)})
 
 
 def _check_xy(fn: str, x: Array, y: Array) -> None:
@@ -344,8 +343,9 @@ def sample_tasks(key: Array, *, batch: int, n_train: int, d: int,
   """
   fn = "sample_tasks"
   sizes = {name: _validate.int_at_least(fn, name, value, low=low)
-           for name, value, low in (("batch", batch, 1), ("n_train", n_train, 1),
-                                    ("d", d, 1), ("n_query", n_query, 0))}
+           for name, value, low in (("batch", batch, 1),
+                                    ("n_train", n_train, 1), ("d", d, 1),
+                                    ("n_query", n_query, 0))}
   if n_out is not None:
     n_out = _validate.int_at_least(fn, "n_out", n_out, low=1)
   dtype = _validate.floating_dtype(fn, dtype)
@@ -376,12 +376,13 @@ def _check_cov(fn: str, x_cov, d: int, dtype) -> None:
     return
   cov = cov.astype(np.float64)
   if not np.allclose(cov, cov.T):
-    raise ValueError(f"{fn}: x_cov must be symmetric (a covariance), got "
-                     f"max |x_cov - x_cov^T| = {np.abs(cov - cov.T).max():.3g}.")
+    raise ValueError(f"{fn}: x_cov must be symmetric (a covariance), got max "
+                     f"|x_cov - x_cov^T| = {np.abs(cov - cov.T).max():.3g}.")
   if not np.all(np.isfinite(jnp.linalg.cholesky(jnp.asarray(cov, dtype)))):
+    smallest = np.linalg.eigvalsh(cov)[0]
     raise ValueError(f"{fn}: x_cov must be symmetric positive definite (its "
                      f"Cholesky factor scales the inputs), got smallest "
-                     f"eigenvalue {np.linalg.eigvalsh(cov)[0]:.3g} (in {dtype}).")
+                     f"eigenvalue {smallest:.3g} (in {dtype}).")
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import elsa
-from elsa import constructions as C
+from elsa import _validate, constructions as C
 from helpers import rel_err
 
 F64_TOL = 1e-12
@@ -670,7 +670,7 @@ def test_pad_inner_is_exact(lead):
     C.pad_inner(tuple(p), 3)
 
 
-# --- one refusal policy (elsa._validate) ---------------------------------------
+# --- one refusal policy (elsa._validate) -------------------------------------
 
 _PRODUCT = dict(m=4, n=4, a_cols=[0], b_rows=[1], b_cols=[2], out_cols=[3])
 _GRAM = dict(m=4, n=4, b_cols=[0], c_cols=[1], out_rows=[2], out_cols=[3])
@@ -736,7 +736,6 @@ def test_sizes_that_cannot_fit_are_refused_before_allocation(monkeypatch, call,
                                                               message):
   """Against a device memory of 64 KiB (monkeypatched, so that a regression
   fails here instead of allocating)."""
-  from elsa import _validate  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**16)
   with pytest.raises(ValueError, match=message):
     call()

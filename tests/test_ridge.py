@@ -336,11 +336,12 @@ def test_safe_alpha_refuses_what_the_other_references_refuse():
       bad()
 
 
-# --- one refusal policy (elsa._validate) ---------------------------------------
+# --- one refusal policy (elsa._validate) -------------------------------------
 
 _KEY = jax.random.key(0)
 _TASKS = dict(batch=2, n_train=3, d=2)
 _NOT_PD = jnp.asarray([[1.0, 2.0], [2.0, 1.0]])  # eigenvalues 3 and -1
+_ASYMMETRIC = jnp.asarray([[1.0, 0.5], [0.0, 1.0]])
 
 
 def _x_y():
@@ -395,8 +396,7 @@ def _x_y():
     (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, x_cov=jnp.eye(3)),
      ValueError, r"sample_tasks: x_cov must have shape \(2, 2\) for d=2, got "
      r"\(3, 3\)"),
-    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS,
-                                     x_cov=jnp.asarray([[1.0, 0.5], [0.0, 1.0]])),
+    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, x_cov=_ASYMMETRIC),
      ValueError, "sample_tasks: x_cov must be symmetric"),
     (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, dtype=jnp.int32),
      TypeError, "sample_tasks: dtype must be a floating dtype"),
@@ -458,7 +458,8 @@ def test_a_huge_request_is_refused_not_aborted():
   assert done.returncode == 0, done.stderr[-2000:]
   assert re.match(r"sample_tasks: batch=1000000, n_train=1000000, d=1000, "
                   r"n_query=1, n_out=None need at least 3.7\de\+06 GiB, more "
-                  r"than the .* GiB the devices of this process hold", done.stdout)
+                  r"than the .* GiB the devices of this process hold",
+                  done.stdout)
 
 
 def test_memory_is_that_of_the_addressable_devices():

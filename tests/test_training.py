@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import elsa
-from elsa import ridge, training
+from elsa import _validate, ridge, training
 
 SPEC = training.TaskSpec(n_train=8, d=2, n_query=2, lam=0.05, noise=0.1)
 
@@ -384,7 +384,7 @@ def test_masked_residual_lsa_on_concatenated_tokens_is_gd(n_train, d, n_query,
   assert (off > 1e-3) == (depth > 1)
 
 
-# --- one refusal policy (elsa._validate) ---------------------------------------
+# --- one refusal policy (elsa._validate) -------------------------------------
 
 _SPEC = dict(n_train=3, d=2)
 
@@ -437,7 +437,6 @@ def test_sample_tasks_refuses_a_spec_of_another_type():
 def test_sample_tasks_that_cannot_fit_are_refused_before_allocation(
     monkeypatch, spec, batch, message):
   """Against a device memory of 64 KiB (monkeypatched)."""
-  from elsa import _validate  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**16)
   with pytest.raises(ValueError, match=message):
     training.sample_tasks(jax.random.key(0), training.TaskSpec(**spec),
