@@ -167,7 +167,12 @@ def memory_bytes() -> int | None:
   """
   total, host = 0, False
   for device in jax.local_devices():
-    stats = (device.memory_stats() or {}) if device.platform != "cpu" else {}
+    stats = {}
+    if device.platform != "cpu":
+      try:
+        stats = device.memory_stats() or {}
+      except (NotImplementedError, RuntimeError):  # a backend without stats
+        pass
     if stats.get("bytes_limit"):
       total += int(stats["bytes_limit"])
     else:

@@ -462,10 +462,31 @@ def test_a_huge_request_is_refused_not_aborted():
                   done.stdout)
 
 
-def test_memory_is_that_of_the_addressable_devices():
-  """On CPU: host RAM, counted once however many CPU devices there are."""
+class _Device:
+  def __init__(self, platform, limit=None):
+    self.platform, self.limit = platform, limit
+
+  def memory_stats(self):
+    if self.limit is None:
+      raise NotImplementedError
+    return {"bytes_limit": self.limit}
+
+
+def test_memory_is_that_of_the_addressable_devices(monkeypatch):
+  """On CPU: host RAM, counted once however many CPU devices there are;
+  accelerators: their limits summed (only jax.local_devices is asked)."""
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   assert jax.local_devices()[0].platform == "cpu"
-  assert _validate.memory_bytes() == (os.sysconf("SC_PAGE_SIZE")
-                                      * os.sysconf("SC_PHYS_PAGES"))
+  assert _validate.memory_bytes() == ram
+  uncached = _validate.memory_bytes.__wrapped__
+  monkeypatch.setattr(jax, "local_devices", lambda: [_Device("cpu")] * 4)
+  assert uncached() == ram
+  monkeypatch.setattr(jax, "local_devices",
+                      lambda: [_Device("gpu", 10), _Device("gpu", 20)])
+  assert uncached() == 30
+  # A device without a limit shares host RAM.
+  monkeypatch.setattr(jax, "local_devices",
+                      lambda: [_Device("tpu", 10), _Device("metal")])
+  assert uncached() == 10 + ram
   assert _validate.array_bytes(jnp.float32, (10**6, 10**6, 10**3), (3,)) == (
       4 * (10**15 + 3))
