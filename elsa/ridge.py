@@ -256,8 +256,11 @@ def stability_limit(x: Array, *, lam) -> Array:
   """``2 / (lambda_max(X^T X / N) + lam)``: GD converges iff ``0 < eta <`` this. ``[...]``.
 
   :func:`safe_alpha` is a step inside it without an eigendecomposition.
+  ``lam``: ridge strength ``>= 0`` (a concrete one is checked), broadcasting
+  with the batch axes ``[...]`` of ``x``.
   """
   _check_x("stability_limit", x)
+  _validate.at_least("stability_limit", "lam", lam, low=0, strict=False)
   _check_gram_fits("stability_limit", x)
   gram = _mm(jnp.swapaxes(x, -1, -2), x) / jnp.shape(x)[-2]
   return 2 / (jnp.linalg.eigvalsh(gram)[..., -1] + jnp.asarray(lam, x.dtype))

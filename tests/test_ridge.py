@@ -370,6 +370,8 @@ def _x_y():
      ValueError, r"gd: x must hold d >= 1 features"),
     (lambda x, y: ridge.safe_alpha(x, lam=np.nan), ValueError,
      "safe_alpha: lam must be >= 0, got nan; only finite"),
+    (lambda x, y: ridge.stability_limit(x, lam=-0.5), ValueError,
+     "stability_limit: lam must be >= 0, got -0.5"),
     (lambda x, y: ridge.sample_tasks(_KEY, **{**_TASKS, "n_train": 0}),
      ValueError, "sample_tasks: n_train must be an int >= 1, got 0"),
     (lambda x, y: ridge.sample_tasks(_KEY, **{**_TASKS, "d": 0}),
