@@ -344,10 +344,6 @@ _NOT_PD = jnp.asarray([[1.0, 2.0], [2.0, 1.0]])  # eigenvalues 3 and -1
 _ASYMMETRIC = jnp.asarray([[1.0, 0.5], [0.0, 1.0]])
 
 
-def _x_y():
-  return jnp.ones((2, 4, 3)), jnp.ones((2, 4))
-
-
 @pytest.mark.parametrize("call, error, message", [
     (lambda x, y: ridge.gd(x, y, lam=0.1, eta=jnp.inf, steps=2), ValueError,
      "gd: eta must be > 0, got inf; only finite values are allowed"),
@@ -409,14 +405,14 @@ def test_refusal_policy(call, error, message):
   floats as sizes, integer dtypes; the message names the function and the
   argument and says what is allowed."""
   with pytest.raises(error, match=message):
-    call(*_x_y())
+    call(*_xy())
 
 
 @pytest.mark.parametrize("call, message", [
     (lambda: ridge.sample_tasks(_KEY, batch=100, n_train=100, d=10),
      "sample_tasks: batch=100, n_train=100, d=10, n_query=1, n_out=None need "
      "at least"),
-    (lambda: ridge.gd(*_x_y(), lam=0.1, eta=0.1, steps=10**5),
+    (lambda: ridge.gd(*_xy(), lam=0.1, eta=0.1, steps=10**5),
      r"gd: steps=100000, x.shape=\(2, 4, 3\), y.shape=\(2, 4\) need at least"),
     (lambda: ridge.solve(jnp.ones((1, 2, 100)), jnp.ones((1, 2)), lam=0.1),
      r"solve: x.shape=\(1, 2, 100\) need at least"),
