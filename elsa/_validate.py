@@ -100,9 +100,9 @@ def _real(fn: str, name: str, value) -> np.ndarray | None:
   """A concrete ``value`` as a real numpy array (``None`` when traced);
   ``TypeError`` for anything that is not real numbers."""
   found = concrete(value)
-  # jnp.issubdtype: numpy does not count bfloat16 (ml_dtypes) as floating.
-  if found is not None and not (jnp.issubdtype(found.dtype, jnp.floating)
-                                or jnp.issubdtype(found.dtype, jnp.integer)):
+  # Kinds float, int, uint; numpy does not count bfloat16 (ml_dtypes) as one.
+  if found is not None and found.dtype.kind not in "fiu" and not (
+      jnp.issubdtype(found.dtype, jnp.floating)):
     raise TypeError(f"{fn}: {name} must be a real number, got {value!r}.")
   return found
 
@@ -167,7 +167,12 @@ def memory_bytes() -> int | None:
   """
   total, host = 0, False
   for device in jax.local_devices():
-    stats = (device.memory_stats() or {}) if device.platform != "cpu" else {}
+    stats = {}
+    if device.platform != "cpu":
+      try:
+        stats = device.memory_stats() or {}
+      except (NotImplementedError, RuntimeError):  # a backend without stats
+        pass
     if stats.get("bytes_limit"):
       total += int(stats["bytes_limit"])
     else:

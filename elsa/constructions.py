@@ -30,7 +30,11 @@ Index arguments (``a_cols``, ``b_rows``, ...) are static sequences of
 distinct non-negative Python ints; they are checked when the parameters are
 built, and a layout that cannot work raises ``ValueError`` naming it. Array
 arguments (``c``, ``P``, ``Q``, ``scale``) may be traced (a sweep may pass
-traced step sizes).
+traced step sizes); concrete ones must be finite, since the maps are exact
+only for finite values (a NaN or an infinity times one of the zeros of a
+construction spreads). Sizes are ints ``>= 1``, dtypes floating, and
+parameters that cannot fit in the devices' memory are refused before they
+are allocated, as :mod:`elsa._validate` says for every entry point.
 
 :func:`selector` and :func:`placement` build the 0/1 matrices that move
 columns or rows into place; the constructions here and the input forms in
@@ -53,18 +57,29 @@ Indices = Sequence[int]
 
 
 def _as_float(x, fn: str, name: str) -> Array:
-  """``x`` as an array; integer/bool input becomes JAX's default float."""
+  """``x`` as an array, finite if concrete; integer/bool input becomes JAX's
+  default float."""
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
       raise TypeError(f"{fn}: {name} must be real, got dtype {x.dtype}.")
     x = x.astype(float_dtype())
+  _validate.finite(fn, name, x)
   return x
 
 
 def _size(value, fn: str, name: str) -> int:
   """A positive static int (a shape), else ``ValueError``/``TypeError``."""
   return _validate.int_at_least(fn, name, value, low=1)
+
+
+def _fits(fn: str, dtype, *, m: int, n: int, v: int, k: int = 1) -> None:
+  """Refuses a component ``[m, n] -> [m, v]`` of inner width ``k`` (by
+  default the least) whose parameters cannot fit in memory, naming ``m, n,
+  v``; called before anything of that size is allocated."""
+  nbytes = _validate.array_bytes(dtype, (n, k), (n, v), (n, k), (m, k),
+                                 (m, v), (m, k))
+  _validate.fits_memory(fn, nbytes, dict(m=m, n=n, v=v))
 
 
 def _indices(idx, size: int, fn: str, name: str, axis: str) -> tuple[int, ...]:
@@ -107,6 +122,7 @@ def _scalar(scale, dtype, fn: str) -> Array:
   scale = jnp.asarray(scale, dtype)
   if scale.ndim != 0:
     raise ValueError(f"{fn}: scale must be a scalar, got shape {scale.shape}.")
+  _validate.finite(fn, "scale", scale)
   return scale
 
 
@@ -128,12 +144,15 @@ def placement(src: Indices, dst: Indices, *, shape: tuple[int, int],
   if len(shape) != 2:
     raise ValueError(f"{fn}: shape must be (rows, cols), got {shape!r}.")
   rows, cols = _size(shape[0], fn, "shape[0]"), _size(shape[1], fn, "shape[1]")
+  dtype = _validate.floating_dtype(fn, dtype)
+  _validate.fits_memory(fn, _validate.array_bytes(dtype, (rows, cols)),
+                        {"shape": (rows, cols)})
   src = _indices(src, rows, fn, "src", "rows")
   dst = _indices(dst, cols, fn, "dst", "columns")
   _same_length(fn, "src", src, "dst", dst, "a one at (src[j], dst[j])")
   s = np.zeros((rows, cols))
   s[list(src), list(dst)] = 1
-  return jnp.asarray(s, float_dtype(dtype))
+  return jnp.asarray(s, dtype)
 
 
 def selector(size: int, idx: Indices, *, dtype=None) -> Array:
@@ -146,6 +165,7 @@ def selector(size: int, idx: Indices, *, dtype=None) -> Array:
   """
   size = _size(size, "selector", "size")
   idx = _indices(idx, size, "selector", "idx", "rows")
+  dtype = _validate.floating_dtype("selector", dtype)
   return placement(idx, range(len(idx)), shape=(size, len(idx)), dtype=dtype)
 
 
@@ -171,6 +191,7 @@ def constant(c: Array, n: int) -> ElsaParams:
   n = _size(n, "constant", "n")
   m, v = c.shape
   k = min(m, v)
+  _fits("constant", c.dtype, m=m, n=n, v=v, k=k)
   p = ElsaParams.zeros(m=m, n=n, k=k, v=v, dtype=c.dtype)
   if v <= m:
     eye = jnp.eye(m, v, dtype=c.dtype)
@@ -222,6 +243,7 @@ def linear(P, Q: Array, *, m: int | None = None) -> ElsaParams:
     if m is None:
       raise ValueError("linear: pass m when P is None (the identity on rows).")
     m = _size(m, "linear", "m")
+    _fits("linear", Q.dtype, m=m, n=n, v=v, k=min(m, n))
     if m < n:
       return linear(jnp.eye(m, dtype=Q.dtype), Q)
     p = ElsaParams.zeros(m=m, n=n, k=n, v=v, dtype=Q.dtype)
@@ -232,6 +254,8 @@ def linear(P, Q: Array, *, m: int | None = None) -> ElsaParams:
                       b2=jnp.pad(Q, [(0, m - n), (0, 0)]))
   if _is_factor_pair(P):
     U, V = (jnp.asarray(f, Q.dtype) for f in P)
+    for i, factor in enumerate((U, V)):
+      _validate.finite("linear", f"P[{i}]", factor)
     if U.shape != V.shape:
       raise ValueError("linear: the factors (U, V) of P must both have shape "
                        f"[m, k], got {U.shape} and {V.shape}.")
@@ -240,6 +264,7 @@ def linear(P, Q: Array, *, m: int | None = None) -> ElsaParams:
     if P.ndim != 2 or P.shape[0] != P.shape[1]:
       raise ValueError(f"linear: P must have shape [m, m] or be a pair (U, V) "
                        f"of [m, k] factors, got shape {P.shape}.")
+    _validate.finite("linear", "P", P)
     U, V = P, jnp.eye(P.shape[0], dtype=Q.dtype)
   if m is not None and U.shape[0] != m:
     raise ValueError(f"linear: P has {U.shape[0]} rows but m={m}.")
@@ -256,8 +281,10 @@ def identity(m: int, n: int, *, dtype=None) -> ElsaParams:
   (``k = m``). LSA cannot do this: it is a homogeneous cubic in ``h``.
   ``dtype``: floating dtype of the parameters (default: JAX's default float).
   """
-  n = _size(n, "identity", "n")
-  return linear(None, jnp.eye(n, dtype=float_dtype(dtype)), m=m)
+  m, n = _size(m, "identity", "m"), _size(n, "identity", "n")
+  dtype = _validate.floating_dtype("identity", dtype)
+  _fits("identity", dtype, m=m, n=n, v=n, k=min(m, n))
+  return linear(None, jnp.eye(n, dtype=dtype), m=m)
 
 
 def rows_linear(rows, Q: Array, *, m: int) -> ElsaParams:
@@ -292,10 +319,13 @@ def _overlap_refused(fn: str, *, data: str, data_rows, data_cols, zero: str,
         f"columns, or in the rows of {zero}.")
 
 
-def _product_sizes(fn: str, m, n, v) -> tuple[int, int, int]:
-  """``m, n`` and the output width ``v`` (default ``n``), checked."""
+def _product_sizes(fn: str, m, n, v, dtype) -> tuple[int, int, int, jnp.dtype]:
+  """``m, n``, the output width ``v`` (default ``n``) and the dtype, checked."""
   m, n = _size(m, fn, "m"), _size(n, fn, "n")
-  return m, n, n if v is None else _size(v, fn, "v")
+  v = n if v is None else _size(v, fn, "v")
+  dtype = _validate.floating_dtype(fn, dtype)
+  _fits(fn, dtype, m=m, n=n, v=v)
+  return m, n, v, dtype
 
 
 def _product(fn: str, *, m: int, n: int, v: int, value: tuple, scale, dtype,
@@ -369,8 +399,7 @@ def product2(*, m: int, n: int, a_cols: Indices, b_rows: Indices,
     ...              b_cols=[2, 3], out_cols=[2, 3])  # rows 0-1: A @ B
   """
   fn = "product2"
-  dtype = float_dtype(dtype)
-  m, n, v = _product_sizes(fn, m, n, v)
+  m, n, v, dtype = _product_sizes(fn, m, n, v, dtype)
   a_rows = tuple(range(m)) if a_rows is None else _indices(
       a_rows, m, fn, "a_rows", "rows")
   a_cols = _indices(a_cols, n, fn, "a_cols", "columns")
@@ -425,8 +454,7 @@ def gram(*, m: int, n: int, b_cols: Indices, c_cols: Indices,
       or the lengths do not match.
   """
   fn = "gram"
-  dtype = float_dtype(dtype)
-  m, n, v = _product_sizes(fn, m, n, v)
+  m, n, v, dtype = _product_sizes(fn, m, n, v, dtype)
   b_cols = _indices(b_cols, n, fn, "b_cols", "columns")
   c_cols = _indices(c_cols, n, fn, "c_cols", "columns")
   out_rows = _indices(out_rows, m, fn, "out_rows", "rows")
@@ -499,8 +527,7 @@ def product3(*, m: int, n: int, a_cols: Indices, b_cols: Indices,
       force cells of a block to zero).
   """
   fn = "product3"
-  dtype = float_dtype(dtype)
-  m, n, v = _product_sizes(fn, m, n, v)
+  m, n, v, dtype = _product_sizes(fn, m, n, v, dtype)
   all_rows = tuple(range(m))
   a_rows = all_rows if a_rows is None else _indices(a_rows, m, fn, "a_rows",
                                                     "rows")
@@ -588,6 +615,10 @@ def pad_inner(p: ElsaParams, k: int) -> ElsaParams:
     raise ValueError(f"pad_inner: k={k} is smaller than the inner width "
                      f"p.k={p.k} (w1 of shape {p.w1.shape}); padding cannot "
                      "narrow.")
+  padded = [(*leaf.shape[:-1], k) for leaf in (p.w1, p.w3, p.b1, p.b3)]
+  _validate.fits_memory("pad_inner", _validate.array_bytes(
+      jnp.result_type(p.w1), *padded), {"k": k, "p.w1.shape": p.w1.shape,
+                                        "p.b1.shape": p.b1.shape})
   pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, k - a.shape[-1])])
   return p._replace(w1=pad(p.w1), w3=pad(p.w3), b1=pad(p.b1), b3=pad(p.b3))
 

@@ -61,9 +61,8 @@ def _check_gram_fits(fn: str, x: Array, more: tuple[tuple[int, ...], ...] = (),
   arrays of the shapes ``more``, cannot fit in memory; the message names
   ``fields`` (default: the shape of ``x``)."""
   batch, d = jnp.shape(x)[:-2], jnp.shape(x)[-1]
-  _validate.fits_memory(fn, _validate.array_bytes(
-      jnp.result_type(x), (*batch, d, d), *more),
-                        fields or {"x.shape": jnp.shape(x)})
+  nbytes = _validate.array_bytes(jnp.result_type(x), (*batch, d, d), *more)
+  _validate.fits_memory(fn, nbytes, fields or {"x.shape": jnp.shape(x)})
 
 
 def _check_xy(fn: str, x: Array, y: Array) -> None:
@@ -178,11 +177,6 @@ def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
   steps = _validate.int_at_least("gd", "steps", steps, low=0)
   _validate.at_least("gd", "lam", lam, low=0, strict=False)
   _validate.at_least("gd", "eta", eta, low=0, strict=True)
-  _check_xy("gd", x, y)
-  iterates = (steps + 1, *jnp.shape(x)[:-2], jnp.shape(x)[-1],
-              *jnp.shape(y)[jnp.ndim(x) - 1:])
-  _check_gram_fits("gd", x, (iterates,), {
-      "steps": steps, "x.shape": jnp.shape(x), "y.shape": jnp.shape(y)})
   return _gd(x, y, lam=lam, eta=eta, steps=steps, w0=w0)
 
 
@@ -190,7 +184,13 @@ def gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None = None
 @functools.partial(jax.jit, static_argnames=("steps",))
 def _gd(x: Array, y: Array, *, lam, eta, steps: int, w0: Array | None
         ) -> Array:
+  # Shapes are checked here, once per compile, not on every eager call.
+  _check_xy("gd", x, y)
   _check_lam("gd", lam, x)
+  iterates = (steps + 1, *jnp.shape(x)[:-2], jnp.shape(x)[-1],
+              *jnp.shape(y)[jnp.ndim(x) - 1:])
+  _check_gram_fits("gd", x, (iterates,), {
+      "steps": steps, "x.shape": jnp.shape(x), "y.shape": jnp.shape(y)})
   eta = jnp.asarray(eta, x.dtype)
   if eta.shape not in ((), (steps,)):
     raise ValueError(f"gd: eta must be a scalar or a schedule of shape "
@@ -256,8 +256,11 @@ def stability_limit(x: Array, *, lam) -> Array:
   """``2 / (lambda_max(X^T X / N) + lam)``: GD converges iff ``0 < eta <`` this. ``[...]``.
 
   :func:`safe_alpha` is a step inside it without an eigendecomposition.
+  ``lam``: ridge strength ``>= 0`` (a concrete one is checked), broadcasting
+  with the batch axes ``[...]`` of ``x``.
   """
   _check_x("stability_limit", x)
+  _validate.at_least("stability_limit", "lam", lam, low=0, strict=False)
   _check_gram_fits("stability_limit", x)
   gram = _mm(jnp.swapaxes(x, -1, -2), x) / jnp.shape(x)[-2]
   return 2 / (jnp.linalg.eigvalsh(gram)[..., -1] + jnp.asarray(lam, x.dtype))
@@ -343,8 +346,9 @@ def sample_tasks(key: Array, *, batch: int, n_train: int, d: int,
   """
   fn = "sample_tasks"
   sizes = {name: _validate.int_at_least(fn, name, value, low=low)
-           for name, value, low in (("batch", batch, 1), ("n_train", n_train, 1),
-                                    ("d", d, 1), ("n_query", n_query, 0))}
+           for name, value, low in (("batch", batch, 1),
+                                    ("n_train", n_train, 1), ("d", d, 1),
+                                    ("n_query", n_query, 0))}
   if n_out is not None:
     n_out = _validate.int_at_least(fn, "n_out", n_out, low=1)
   dtype = _validate.floating_dtype(fn, dtype)
@@ -375,12 +379,13 @@ def _check_cov(fn: str, x_cov, d: int, dtype) -> None:
     return
   cov = cov.astype(np.float64)
   if not np.allclose(cov, cov.T):
-    raise ValueError(f"{fn}: x_cov must be symmetric (a covariance), got "
-                     f"max |x_cov - x_cov^T| = {np.abs(cov - cov.T).max():.3g}.")
+    raise ValueError(f"{fn}: x_cov must be symmetric (a covariance), got max "
+                     f"|x_cov - x_cov^T| = {np.abs(cov - cov.T).max():.3g}.")
   if not np.all(np.isfinite(jnp.linalg.cholesky(jnp.asarray(cov, dtype)))):
+    smallest = np.linalg.eigvalsh(cov)[0]
     raise ValueError(f"{fn}: x_cov must be symmetric positive definite (its "
                      f"Cholesky factor scales the inputs), got smallest "
-                     f"eigenvalue {np.linalg.eigvalsh(cov)[0]:.3g} (in {dtype}).")
+                     f"eigenvalue {smallest:.3g} (in {dtype}).")
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from elsa import constructions, forms, nn, ridge
+from elsa import _validate, constructions, forms, nn, ridge
 from elsa.attention import Array, ElsaParams, float_dtype
 
 X_DISTRIBUTIONS = ("normal", "laplace", "exponential", "uniform")
@@ -167,8 +167,14 @@ def sample_tasks(key: Array, spec: TaskSpec, *, batch: int,
   exponential inputs are drawn here with the same scaling and labels.
   ``dtype``: default JAX's default float (float32, or float64 under
   ``jax_enable_x64``).
+
+  Raises:
+    TypeError, ValueError: as :func:`elsa.ridge.sample_tasks` (sizes, a
+      negative or non-finite noise, non-finite scales, a dtype that is not
+      floating, tasks that cannot fit in memory), naming the field of
+      ``spec``; checked before anything is allocated.
   """
-  dtype = float_dtype(dtype)
+  dtype = _check_tasks("sample_tasks", spec, batch, dtype)
   cov = spec.x_cov_diag(dtype)
   x_cov = None if spec.x_skew == 0 else jnp.diag(cov)
   task = ridge.sample_tasks(key, batch=batch, n_train=spec.n_train, d=spec.d,
@@ -197,6 +203,28 @@ def sample_tasks(key: Array, spec: TaskSpec, *, batch: int,
                    + spec.noise**2)
     task = task._replace(y=std * jax.random.normal(k_y, task.y.shape, dtype))
   return task
+
+
+def _check_tasks(fn: str, spec: TaskSpec, batch: int, dtype) -> jnp.dtype:
+  """The arguments of :func:`sample_tasks`, checked before it allocates (its
+  covariance ``[d]``, ``[d, d]`` when skewed, comes before the tasks);
+  returns the floating dtype."""
+  if not isinstance(spec, TaskSpec):
+    raise TypeError(f"{fn}: spec must be a TaskSpec, got "
+                    f"{type(spec).__name__}.")
+  sizes = {"batch": _validate.int_at_least(fn, "batch", batch, low=1)}
+  for field, low in (("n_train", 1), ("d", 1), ("n_query", 0)):
+    sizes[f"spec.{field}"] = _validate.int_at_least(
+        fn, f"spec.{field}", getattr(spec, field), low=low)
+  dtype = _validate.floating_dtype(fn, dtype)
+  _validate.at_least(fn, "spec.noise", spec.noise, low=0, strict=False)
+  for field in ("x_scale", "w_scale", "x_skew"):
+    _validate.finite(fn, f"spec.{field}", getattr(spec, field))
+  batch, n_train, d, n_query = sizes.values()
+  _validate.fits_memory(fn, _validate.array_bytes(
+      dtype, (batch, n_train + n_query, d + 1), (batch, d),
+      (d, d) if spec.x_skew else (d,)), sizes)
+  return dtype
 
 
 def init_model(key: Array, spec: TaskSpec, *, depth: int, components: int = 3,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import elsa
-from elsa import ElsaParams
+from elsa import ElsaParams, _validate
 from helpers import rel_err
 
 # float32 bound: the worst relative error (max abs error / max abs value)
@@ -386,7 +386,6 @@ def test_default_dtype_is_jax_default_float():
 def test_one_validation_policy():
   """elsa._validate: wrong type -> TypeError, wrong value -> ValueError;
   float_dtype lives there and stays importable from elsa.attention."""
-  from elsa import _validate  # pylint: disable=g-import-not-at-top
   assert elsa.attention.float_dtype is _validate.float_dtype
   assert _validate.int_at_least("f", "n", np.int64(3), low=1) == 3
   for bad in (2.0, True, "3", None):
@@ -400,6 +399,20 @@ def test_one_validation_policy():
     _validate.at_least("f", "eta", -1.0, low=0, strict=True)
   # A traced value cannot be checked; it passes.
   jax.jit(lambda v: _validate.at_least("f", "eta", v, low=0, strict=True))(-1.0)
+  # Non-finite values are refused by range checks and by finite; a bool or a
+  # string is not a number; dtypes must be floating.
+  with pytest.raises(ValueError, match="f: eta must be > 0, got inf; only"):
+    _validate.at_least("f", "eta", np.inf, low=0, strict=True)
+  with pytest.raises(ValueError, match=r"f: s must be finite, got nan in s"):
+    _validate.finite("f", "s", jnp.asarray([1.0, np.nan], jnp.bfloat16))
+  for bad in (True, "1"):
+    with pytest.raises(TypeError, match="f: s must be a real number"):
+      _validate.finite("f", "s", bad)
+  jax.jit(lambda v: _validate.finite("f", "s", v))(np.nan)
+  assert _validate.floating_dtype("f", None) == _validate.float_dtype()
+  for bad in (jnp.int32, "int8", "no-such-dtype", 3):
+    with pytest.raises(TypeError, match="f: dtype must be a floating dtype"):
+      _validate.floating_dtype("f", bad)
 
 
 @pytest.mark.parametrize("dtype, bound", [(jnp.float64, 1e-12),
@@ -673,9 +686,9 @@ def test_parameters_that_cannot_fit_are_refused_before_allocation(
   """Against a device memory of 64 KiB (monkeypatched): refused by name
   before anything is allocated, instead of an array that never
   materialises."""
-  from elsa import _validate  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**16)
   with pytest.raises(ValueError, match=message):
     call()
+  # With room, the same call passes (traced only: nothing to compile).
   monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**40)
-  call()
+  jax.eval_shape(call)

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import elsa
-from elsa import constructions as C
+from elsa import _validate, constructions as C
 from helpers import rel_err
 
 F64_TOL = 1e-12
@@ -668,3 +668,77 @@ def test_pad_inner_is_exact(lead):
     C.pad_inner(p, 1)
   with pytest.raises(TypeError, match="ElsaParams"):
     C.pad_inner(tuple(p), 3)
+
+
+# --- one refusal policy (elsa._validate) -------------------------------------
+
+_PRODUCT = dict(m=4, n=4, a_cols=[0], b_rows=[1], b_cols=[2], out_cols=[3])
+_GRAM = dict(m=4, n=4, b_cols=[0], c_cols=[1], out_rows=[2], out_cols=[3])
+_NAN_2x2 = jnp.asarray([[1.0, np.nan], [0.0, 1.0]])
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: C.identity(0, 2), ValueError,
+     "identity: m must be an int >= 1, got 0"),
+    (lambda: C.identity(3, 2, dtype=jnp.int32), TypeError,
+     "identity: dtype must be a floating dtype"),
+    (lambda: C.selector(3, [0], dtype=jnp.int32), TypeError,
+     "selector: dtype must be a floating dtype"),
+    (lambda: C.placement([0], [0], shape=(2, 2), dtype="int8"), TypeError,
+     "placement: dtype must be a floating dtype"),
+    (lambda: C.product2(**_PRODUCT, dtype=jnp.int32), TypeError,
+     "product2: dtype must be a floating dtype"),
+    (lambda: C.product2(**_PRODUCT, scale=np.nan), ValueError,
+     "product2: scale must be finite, got nan"),
+    (lambda: C.gram(**_GRAM, scale=jnp.inf), ValueError,
+     "gram: scale must be finite, got inf"),
+    (lambda: C.product3(m=4, n=4, a_cols=[0], b_cols=[1], c_cols=[2],
+                        out_cols=[3], scale=-np.inf), ValueError,
+     "product3: scale must be finite, got -inf"),
+    (lambda: C.constant(_NAN_2x2, 3), ValueError,
+     r"constant: c must be finite, got nan in c\(2, 2\)"),
+    (lambda: C.linear(None, _NAN_2x2, m=3), ValueError,
+     r"linear: Q must be finite, got nan in Q\(2, 2\)"),
+    (lambda: C.linear(jnp.full((3, 3), jnp.inf), jnp.eye(2)), ValueError,
+     r"linear: P must be finite, got inf in P\(3, 3\)"),
+    (lambda: C.linear((jnp.eye(3, 1), jnp.full((3, 1), np.nan)), jnp.eye(2)),
+     ValueError, r"linear: P\[1\] must be finite, got nan"),
+    (lambda: C.rows_linear([0], _NAN_2x2, m=3), ValueError,
+     "rows_linear: Q must be finite, got nan"),
+    (lambda: C.constant(jnp.ones((2, 2)), 0), ValueError,
+     "constant: n must be an int >= 1, got 0"),
+    (lambda: C.gram(**{**_GRAM, "m": True}), TypeError,
+     "gram: m must be an int >= 1, got True"),
+])
+def test_refusal_policy(call, error, message):
+  """The constructions are exact only for finite values (a NaN times one of
+  their zeros spreads), so concrete non-finite arrays and scales are refused
+  like every entry point refuses them; dtypes must be floating (an integer
+  dtype gave integer parameters, or was silently replaced); identity names
+  itself, not the linear it calls."""
+  with pytest.raises(error, match=message):
+    call()
+  # A traced value cannot be checked; it passes (see elsa._validate).
+  jax.jit(lambda s: C.product2(**_PRODUCT, scale=s).w2)(np.nan)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: C.placement([0], [0], shape=(100, 100)),
+     r"placement: shape=\(100, 100\) need at least"),
+    (lambda: C.selector(10**4, [0]), r"placement: shape=\(10000, 1\) need"),
+    (lambda: C.identity(3, 100), "identity: m=3, n=100, v=100 need at least"),
+    (lambda: C.pad_inner(C.identity(3, 2), 10**4),
+     r"pad_inner: k=10000, p.w1.shape=\(2, 2\), p.b1.shape=\(3, 2\) need"),
+    (lambda: C.gram(**{**_GRAM, "m": 10**4}),
+     "gram: m=10000, n=4, v=4 need at least"),
+])
+def test_sizes_that_cannot_fit_are_refused_before_allocation(monkeypatch, call,
+                                                              message):
+  """Against a device memory of 64 KiB (monkeypatched, so that a regression
+  fails here instead of allocating)."""
+  monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**16)
+  with pytest.raises(ValueError, match=message):
+    call()
+  # With room, the same call passes (traced only: nothing to compile).
+  monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**40)
+  jax.eval_shape(call)

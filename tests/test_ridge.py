@@ -336,15 +336,12 @@ def test_safe_alpha_refuses_what_the_other_references_refuse():
       bad()
 
 
-# --- one refusal policy (elsa._validate) ---------------------------------------
+# --- one refusal policy (elsa._validate) -------------------------------------
 
 _KEY = jax.random.key(0)
 _TASKS = dict(batch=2, n_train=3, d=2)
 _NOT_PD = jnp.asarray([[1.0, 2.0], [2.0, 1.0]])  # eigenvalues 3 and -1
-
-
-def _x_y():
-  return jnp.ones((2, 4, 3)), jnp.ones((2, 4))
+_ASYMMETRIC = jnp.asarray([[1.0, 0.5], [0.0, 1.0]])
 
 
 @pytest.mark.parametrize("call, error, message", [
@@ -369,6 +366,8 @@ def _x_y():
      ValueError, r"gd: x must hold d >= 1 features"),
     (lambda x, y: ridge.safe_alpha(x, lam=np.nan), ValueError,
      "safe_alpha: lam must be >= 0, got nan; only finite"),
+    (lambda x, y: ridge.stability_limit(x, lam=-0.5), ValueError,
+     "stability_limit: lam must be >= 0, got -0.5"),
     (lambda x, y: ridge.sample_tasks(_KEY, **{**_TASKS, "n_train": 0}),
      ValueError, "sample_tasks: n_train must be an int >= 1, got 0"),
     (lambda x, y: ridge.sample_tasks(_KEY, **{**_TASKS, "d": 0}),
@@ -395,8 +394,7 @@ def _x_y():
     (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, x_cov=jnp.eye(3)),
      ValueError, r"sample_tasks: x_cov must have shape \(2, 2\) for d=2, got "
      r"\(3, 3\)"),
-    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS,
-                                     x_cov=jnp.asarray([[1.0, 0.5], [0.0, 1.0]])),
+    (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, x_cov=_ASYMMETRIC),
      ValueError, "sample_tasks: x_cov must be symmetric"),
     (lambda x, y: ridge.sample_tasks(_KEY, **_TASKS, dtype=jnp.int32),
      TypeError, "sample_tasks: dtype must be a floating dtype"),
@@ -407,14 +405,14 @@ def test_refusal_policy(call, error, message):
   floats as sizes, integer dtypes; the message names the function and the
   argument and says what is allowed."""
   with pytest.raises(error, match=message):
-    call(*_x_y())
+    call(*_xy())
 
 
 @pytest.mark.parametrize("call, message", [
     (lambda: ridge.sample_tasks(_KEY, batch=100, n_train=100, d=10),
      "sample_tasks: batch=100, n_train=100, d=10, n_query=1, n_out=None need "
      "at least"),
-    (lambda: ridge.gd(*_x_y(), lam=0.1, eta=0.1, steps=10**5),
+    (lambda: ridge.gd(*_xy(), lam=0.1, eta=0.1, steps=10**5),
      r"gd: steps=100000, x.shape=\(2, 4, 3\), y.shape=\(2, 4\) need at least"),
     (lambda: ridge.solve(jnp.ones((1, 2, 100)), jnp.ones((1, 2)), lam=0.1),
      r"solve: x.shape=\(1, 2, 100\) need at least"),
@@ -436,8 +434,9 @@ def test_sizes_that_cannot_fit_are_refused_before_allocation(monkeypatch, call,
   with pytest.raises(ValueError, match=message + r" .* GiB, more than the "
                      r"6.1e-05 GiB the devices of this process hold"):
     call()
+  # With room, the same call passes (traced only: nothing to compile).
   monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**40)
-  call()
+  jax.eval_shape(call)
 
 
 def test_a_huge_request_is_refused_not_aborted():
@@ -458,13 +457,35 @@ def test_a_huge_request_is_refused_not_aborted():
   assert done.returncode == 0, done.stderr[-2000:]
   assert re.match(r"sample_tasks: batch=1000000, n_train=1000000, d=1000, "
                   r"n_query=1, n_out=None need at least 3.7\de\+06 GiB, more "
-                  r"than the .* GiB the devices of this process hold", done.stdout)
+                  r"than the .* GiB the devices of this process hold",
+                  done.stdout)
 
 
-def test_memory_is_that_of_the_addressable_devices():
-  """On CPU: host RAM, counted once however many CPU devices there are."""
+class _Device:
+  def __init__(self, platform, limit=None):
+    self.platform, self.limit = platform, limit
+
+  def memory_stats(self):
+    if self.limit is None:
+      raise NotImplementedError
+    return {"bytes_limit": self.limit}
+
+
+def test_memory_is_that_of_the_addressable_devices(monkeypatch):
+  """On CPU: host RAM, counted once however many CPU devices there are;
+  accelerators: their limits summed (only jax.local_devices is asked)."""
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   assert jax.local_devices()[0].platform == "cpu"
-  assert _validate.memory_bytes() == (os.sysconf("SC_PAGE_SIZE")
-                                      * os.sysconf("SC_PHYS_PAGES"))
+  assert _validate.memory_bytes() == ram
+  uncached = _validate.memory_bytes.__wrapped__
+  monkeypatch.setattr(jax, "local_devices", lambda: [_Device("cpu")] * 4)
+  assert uncached() == ram
+  monkeypatch.setattr(jax, "local_devices",
+                      lambda: [_Device("gpu", 10), _Device("gpu", 20)])
+  assert uncached() == 30
+  # A device without a limit shares host RAM.
+  monkeypatch.setattr(jax, "local_devices",
+                      lambda: [_Device("tpu", 10), _Device("metal")])
+  assert uncached() == 10 + ram
   assert _validate.array_bytes(jnp.float32, (10**6, 10**6, 10**3), (3,)) == (
       4 * (10**15 + 3))

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import elsa
-from elsa import ridge, training
+from elsa import _validate, ridge, training
 
 SPEC = training.TaskSpec(n_train=8, d=2, n_query=2, lam=0.05, noise=0.1)
 
@@ -382,3 +382,66 @@ def test_masked_residual_lsa_on_concatenated_tokens_is_gd(n_train, d, n_query,
   off = np.abs(np.asarray(training.layer_predictions(unmasked, tokens, task))
                - np.asarray(want)).max()
   assert (off > 1e-3) == (depth > 1)
+
+
+# --- one refusal policy (elsa._validate) -------------------------------------
+
+_SPEC = dict(n_train=3, d=2)
+
+
+@pytest.mark.parametrize("spec, kwargs, error, message", [
+    (dict(_SPEC), dict(batch=0), ValueError,
+     "sample_tasks: batch must be an int >= 1, got 0"),
+    (dict(_SPEC), dict(batch=2.0), TypeError,
+     "sample_tasks: batch must be an int >= 1, got 2.0"),
+    (dict(_SPEC), dict(batch=2, dtype=jnp.int32), TypeError,
+     "sample_tasks: dtype must be a floating dtype"),
+    (dict(n_train=0, d=2), dict(batch=2), ValueError,
+     "sample_tasks: spec.n_train must be an int >= 1, got 0"),
+    (dict(n_train=3, d=-1), dict(batch=2), ValueError,
+     "sample_tasks: spec.d must be an int >= 1, got -1"),
+    (dict(n_train=3, d=2, n_query=-1), dict(batch=2), ValueError,
+     "sample_tasks: spec.n_query must be an int >= 0, got -1"),
+    (dict(_SPEC, noise=-1.0), dict(batch=2), ValueError,
+     "sample_tasks: spec.noise must be >= 0, got -1"),
+    (dict(_SPEC, noise=np.nan, x_dist="laplace"), dict(batch=2), ValueError,
+     "sample_tasks: spec.noise must be >= 0, got nan; only finite"),
+    (dict(_SPEC, x_skew=np.nan), dict(batch=2), ValueError,
+     "sample_tasks: spec.x_skew must be finite, got nan"),
+    (dict(_SPEC, x_scale=np.inf, x_dist="uniform"), dict(batch=2), ValueError,
+     "sample_tasks: spec.x_scale must be finite, got inf"),
+    (dict(_SPEC, w_scale=-np.inf), dict(batch=2), ValueError,
+     "sample_tasks: spec.w_scale must be finite, got -inf"),
+])
+def test_sample_tasks_refusal_policy(spec, kwargs, error, message):
+  """Refused up front by name, as ridge.sample_tasks refuses its arguments:
+  n_train = 0, a negative or NaN noise gave tasks (NaN labels) before."""
+  with pytest.raises(error, match=message):
+    training.sample_tasks(jax.random.key(0), training.TaskSpec(**spec),
+                          **kwargs)
+
+
+def test_sample_tasks_refuses_a_spec_of_another_type():
+  with pytest.raises(TypeError, match="sample_tasks: spec must be a TaskSpec, "
+                     "got dict"):
+    training.sample_tasks(jax.random.key(0), dict(_SPEC), batch=2)
+
+
+@pytest.mark.parametrize("spec, batch, message", [
+    (dict(n_train=100, d=10), 100, "sample_tasks: batch=100, spec.n_train=100, "
+     "spec.d=10, spec.n_query=1 need at least"),
+    # The [d, d] covariance of skewed inputs, built before the tasks.
+    (dict(n_train=1, d=100, x_skew=1.0), 1, "sample_tasks: batch=1, "
+     "spec.n_train=1, spec.d=100, spec.n_query=1 need at least"),
+])
+def test_sample_tasks_that_cannot_fit_are_refused_before_allocation(
+    monkeypatch, spec, batch, message):
+  """Against a device memory of 64 KiB (monkeypatched)."""
+  monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**16)
+  with pytest.raises(ValueError, match=message):
+    training.sample_tasks(jax.random.key(0), training.TaskSpec(**spec),
+                          batch=batch)
+  # With room, the same call passes (traced only: nothing to compile).
+  monkeypatch.setattr(_validate, "memory_bytes", lambda: 2**40)
+  jax.eval_shape(lambda: training.sample_tasks(
+      jax.random.key(0), training.TaskSpec(**spec), batch=batch))
