@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,19 +66,22 @@ def run_single(driver: str, args: list[str], *, devices: int = 1,
   return Finished(0, proc.returncode, proc.stdout, proc.stderr)
 
 
-def launch(driver: str, args: list[str], *, processes: int = 2,
-           devices: int = 2, timeout: float = 120, slurm: bool = False,
-           kill_after: tuple[int, str] | None = None) -> list[Finished]:
+def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
+           processes: int = 2, devices: int = 2, timeout: float = 120,
+           slurm: bool = False,
+           kill_when: tuple[int, Callable[[], bool]] | None = None
+           ) -> list[Finished]:
   """Runs ``driver`` with ``--distributed`` as ``processes`` processes; waits for all.
 
   Args:
-    args: the driver's other flags (the same for every process).
+    args: the driver's other flags: the same for every process, or a
+      function of the process id.
     devices: forced host devices per process.
     timeout: seconds for the whole job; then every process is killed.
     slurm: launch as ``srun`` would (SLURM_* environment, no coordinator
       flags) instead of with the coordinator flags.
-    kill_after: ``(process_id, text)``: kill that process (SIGKILL) as soon
-      as ``text`` appears in its stderr, as a preempted host would die.
+    kill_when: ``(process_id, condition)``: kill that process (SIGKILL) as
+      soon as ``condition()`` holds, as a preempted host dies.
 
   Returns:
     One :class:`Finished` per process, by process id.
@@ -86,8 +90,8 @@ def launch(driver: str, args: list[str], *, processes: int = 2,
   procs, logs = [], []
   for pid in range(processes):
     env = environment(devices)
-    cmd = [sys.executable, "-m", f"experiments.{driver}", *args,
-           "--distributed"]
+    cmd = [sys.executable, "-m", f"experiments.{driver}",
+           *(args(pid) if callable(args) else args), "--distributed"]
     if slurm:
       env.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost",
                  SLURM_NTASKS=str(processes), SLURM_PROCID=str(pid),
@@ -106,13 +110,10 @@ def launch(driver: str, args: list[str], *, processes: int = 2,
   try:
     while any(p.poll() is None for p in procs):
       failed = any(p.poll() not in (None, 0) for p in procs)
-      if kill_after is not None and procs[kill_after[0]].poll() is None:
-        err = logs[kill_after[0]][1]
-        err.seek(0)
-        if kill_after[1] in err.read():
-          procs[kill_after[0]].kill()
-          killed.add(kill_after[0])
-          kill_after = None
+      if kill_when is not None and kill_when[1]():
+        procs[kill_when[0]].kill()
+        killed.add(kill_when[0])
+        kill_when = None
       if failed or time.monotonic() > deadline:
         # Give the others a moment to report the failure themselves.
         grace = time.monotonic() + (15 if failed else 0)

@@ -56,3 +56,58 @@ def test_sweep_slurm_launch_equals_one_process(tmp_path):
   assert got["devices"] == want["devices"] == 4
   _sweep_records_close(got, want)
   assert sorted(os.listdir(multi)) == sorted(os.listdir(single))
+
+
+def test_sweep_refused_config_ends_every_process_with_one_line(tmp_path):
+  """A config every process refuses: each exits at once with the same
+  message, no traceback, no timeout, and the workdir is never created."""
+  workdir = str(tmp_path / "never")
+  finished = multiprocess.launch(
+      "sweep", [*SWEEP, "--config.n_tasks=0", f"--workdir={workdir}"],
+      timeout=90)
+  for f in finished:
+    assert f.returncode == 1, multiprocess.report(finished)
+    assert ("sweep: process 0: config.n_tasks must be an int >= 1, got 0."
+            in f.stderr), multiprocess.report(finished)
+    assert "Traceback" not in f.stderr and "DEADLINE" not in f.stderr
+  assert not os.path.exists(workdir)
+
+
+def test_sweep_killed_process_stops_the_job_and_the_same_command_resumes(
+    tmp_path):
+  """Process 1 killed after the first chunk file: the job stops, the workdir
+  holds only whole files and resumes with the same command, every file
+  written once. A process that fails (here: it cannot see process 0's files)
+  stops the others at once with its reason."""
+  workdir = str(tmp_path / "run")
+  args = [*SWEEP, f"--workdir={workdir}"]
+  chunks = lambda: sorted(n for n in os.listdir(workdir)
+                          if n.endswith(".npz")) if os.path.isdir(workdir) else []
+  finished = multiprocess.launch("sweep", args, timeout=150,
+                                 kill_when=(1, lambda: bool(chunks())))
+  assert finished[1].returncode is None, multiprocess.report(finished)
+  assert not os.path.exists(os.path.join(workdir, "results.json"))
+  done = {n: os.stat(os.path.join(workdir, n)).st_mtime_ns for n in chunks()}
+  assert done and not any(n.startswith(".tmp-") for n in os.listdir(workdir))
+
+  # Process 1 on a workdir it does not share: it fails on the first chunk
+  # process 0 reports done, and process 0 stops at once, saying why.
+  elsewhere = str(tmp_path / "elsewhere")
+  failed = multiprocess.launch(
+      "sweep", lambda pid: [*SWEEP, f"--workdir={elsewhere if pid else workdir}"],
+      timeout=150)
+  assert [f.returncode for f in failed] == [1, 1], multiprocess.report(failed)
+  assert "cannot see it" in failed[1].stderr
+  assert ("sweep: stopped: process 1 failed: FileNotFoundError"
+          in failed[0].stderr), multiprocess.report(failed)
+
+  resumed = multiprocess.launch("sweep", args, timeout=150)
+  _assert_ok(resumed)
+  results = _read(workdir)
+  assert results["devices"] == 4
+  for name, mtime in done.items():  # loaded, not computed again
+    assert os.stat(os.path.join(workdir, name)).st_mtime_ns == mtime
+  single = str(tmp_path / "single")
+  _assert_ok([multiprocess.run_single("sweep", [*SWEEP, f"--workdir={single}"],
+                                      devices=4)])
+  _sweep_records_close(results, _read(single))
