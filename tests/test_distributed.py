@@ -111,3 +111,40 @@ def test_sweep_killed_process_stops_the_job_and_the_same_command_resumes(
   _assert_ok([multiprocess.run_single("sweep", [*SWEEP, f"--workdir={single}"],
                                       devices=4)])
   _sweep_records_close(results, _read(single))
+
+
+TRAIN = ["--config=experiments/configs/train.py:tiny",
+         "--config.models=('lsa_trained',)", "--config.depths=(2,)",
+         "--config.steps=40", "--config.warmup_steps=4",
+         "--config.log_every=10", "--config.checkpoint_every=20",
+         "--config.n_test=64", "--config.eval_chunk=64", "--config.eta_grid=5"]
+
+
+def test_train_two_processes_equal_one_device(tmp_path):
+  """Data-parallel training over 2 x 2 devices (the 2-point grid in two
+  groups, each batch over two devices) gives one device's loss curve, tuning
+  and test losses to float32 rounding; process 0 writes every file once."""
+  multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+  finished = multiprocess.launch("train", [*TRAIN, f"--workdir={multi}"],
+                                 timeout=400)
+  _assert_ok(finished)
+  assert "2 grid points in 2 groups, each batch over 2 of 4" in (
+      finished[0].stderr)
+  _assert_ok([multiprocess.run_single("train", [*TRAIN,
+                                                f"--workdir={single}"])])
+  got, want = _read(multi), _read(single)
+  # Float32 sums over the batch in another order: a few ulps per step.
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5)
+  close(got["train_loss"]["lsa_trained"], want["train_loss"]["lsa_trained"])
+  close(got["tuning"]["lsa_trained"][0]["val_loss"],
+        want["tuning"]["lsa_trained"][0]["val_loss"])
+  for name, losses in want["test_loss"].items():
+    close(got["test_loss"][name], losses)
+  assert got["grid"] == want["grid"] and got["tuning"] == {
+      k: [dict(t, val_loss=got["tuning"][k][0]["val_loss"]) for t in v]
+      for k, v in want["tuning"].items()}
+  listing = lambda root: sorted(os.path.relpath(os.path.join(d, f), root)
+                                for d, _, files in os.walk(root)
+                                for f in files if "tfevents" not in f)
+  assert listing(multi) == listing(single)
+  assert len(os.listdir(os.path.join(multi, "tensorboard"))) == 2  # + hparams
