@@ -49,7 +49,7 @@ from typing import Callable, Iterator, Sequence
 from absl import flags
 from absl import logging
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import ml_collections
 import numpy as np
 
@@ -131,6 +131,64 @@ def agree(step: str, check: Callable[..., object], *args):
   return value
 
 
+def from_process_0(step: str, read: Callable[[], object]):
+  """``read()`` on process 0, its JSON value sent to every process through
+  the key-value store (a refusal raised on every process)."""
+  global _agreed_failure
+  client = _client()
+  if client is None:
+    return read()
+  key = f"elsa/from0/{next(_steps)}-{step}"
+  if is_writer():
+    try:
+      value = read()
+    except tuple(_REFUSALS.values()) as err:
+      client.key_value_set(key, json.dumps([type(err).__name__, str(err)]))
+      _agreed_failure = True
+      raise
+    client.key_value_set(key, json.dumps(["value", value]))
+    return value
+  kind, value = json.loads(client.blocking_key_value_get(key,
+                                                         _AGREE_TIMEOUT_MS))
+  if kind != "value":
+    _agreed_failure = True
+    raise _REFUSALS[kind](f"process 0: {value}")
+  return value
+
+
+class SharedWorkdir(common.Workdir):
+  """The workdir as every process of a job sees it: process 0's.
+
+  A JSON output read is process 0's reading, sent to the others
+  (:func:`from_process_0`; a damaged file or another config's is refused on
+  every process), so every process takes the same path through a resumed
+  run; writes happen on process 0 alone (elsewhere they do nothing).
+  """
+
+  def read_json(self, name: str) -> dict | None:
+    return from_process_0(f"read {name}",
+                          lambda: common.Workdir.read_json(self, name))
+
+  def own(self, name: str) -> None:
+    if is_writer():
+      super().own(name)
+
+  def write_json(self, name: str, obj: dict) -> None:
+    if is_writer():
+      super().write_json(name, obj)
+
+  def write_npz(self, name: str, arrays) -> None:
+    if is_writer():
+      super().write_npz(name, arrays)
+
+  def save_figure(self, fig, name: str) -> None:
+    if is_writer():
+      super().save_figure(fig, name)
+    else:
+      import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+      plt.close(fig)
+
+
 @contextlib.contextmanager
 def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
                   overwrite: bool = False, owned: Sequence[str] = ()
@@ -139,17 +197,15 @@ def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
 
   Every process leaves only when process 0 holds the workdir (its deletions
   under ``overwrite`` done, ``config.json`` written), or raises the refusal
-  process 0 got. Other processes get ``common.Workdir(workdir, config)``:
-  they read, never write.
+  process 0 got. With several processes every one gets a
+  :class:`SharedWorkdir`: process 0's reads, process 0's writes.
   """
   with contextlib.ExitStack() as stack:
     claim = lambda: stack.enter_context(common.claim_workdir(
         workdir, config, overwrite=overwrite, owned=owned))
-    if is_writer():
-      yield agree("claim", claim)
-    else:
-      agree("claim", lambda: None)
-      yield common.Workdir(workdir, config)
+    claimed = agree("claim", claim if is_writer() else lambda: None)
+    yield (claimed if jax.process_count() == 1
+           else SharedWorkdir(workdir, config))
 
 
 def _watch_for_failures(name: str) -> None:
@@ -241,6 +297,33 @@ def put(array, sharding: NamedSharding) -> jax.Array:
   array = np.asarray(array)
   return jax.make_array_from_callback(array.shape, sharding,
                                       lambda index: array[index])
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Every device holds the whole array (what every process can read)."""
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def put_tasks(tree, mesh: Mesh):
+  """Host arrays with a leading task axis ``[B, ...]`` (the same on every
+  process) as global arrays split over ``mesh``'s ``batch`` axis, padded to
+  a multiple of its size with copies of task 0 (drop them with
+  :func:`take_tasks`)."""
+  split = NamedSharding(mesh, PartitionSpec("batch"))
+
+  def place(array):
+    array = np.asarray(array)
+    pad = -array.shape[0] % mesh.size
+    return put(np.concatenate([array, np.repeat(array[:1], pad, axis=0)]),
+               split)
+
+  return jax.tree.map(place, tree)
+
+
+def take_tasks(tree, count: int):
+  """Replicated outputs of :func:`put_tasks`' inputs as numpy, the first
+  ``count`` tasks (the padding dropped)."""
+  return jax.tree.map(lambda a: np.asarray(a)[:count], tree)
 
 
 def to_host(tree):
