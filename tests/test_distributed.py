@@ -7,8 +7,12 @@ Each job compiles in every process: a few tens of seconds on 2 cores.
 import json
 import os
 
+import jax
 import numpy as np
+import pytest
 
+from experiments import common
+from experiments import distributed
 from tests import multiprocess
 
 SWEEP = ["--config=experiments/configs/sweep.py:tiny", "--config.depth=3",
@@ -205,3 +209,43 @@ def test_newton_two_processes_equal_one_device(tmp_path):
                                       devices=4)])
   _assert_close_tree(_read(multi), _read(single), rtol=1e-5, atol=1e-6)
   assert sorted(os.listdir(multi)) == sorted(os.listdir(single))
+
+
+class _FakeStore:
+  """The coordination service's key-value store, as seen by one process."""
+
+  def __init__(self, posted: dict):
+    self.posted = posted
+
+  def key_value_set(self, key, value):
+    assert key not in self.posted  # every key is set once
+    self.posted[key] = value
+
+  def blocking_key_value_get(self, key, timeout_in_ms):
+    del timeout_in_ms
+    return self.posted[key]
+
+
+def test_a_refusal_on_one_process_is_every_process_refusal(monkeypatch):
+  """Process 1 passes validation, process 0 (say with less memory) refused:
+  process 1 raises process 0's refusal, as the same type, at once; what it
+  reads is process 0's reading."""
+  posted = {}
+  monkeypatch.setattr(distributed, "_client", lambda: _FakeStore(posted))
+  monkeypatch.setattr(distributed, "_steps", iter(range(100)))
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  posted["elsa/agree/0-validate/0"] = json.dumps(  # what process 0 posted
+      ["ConfigError", "config: n_tasks need about 9 GiB, more than ..."])
+  checked = []
+  with pytest.raises(common.ConfigError,
+                     match=r"^process 0: config: n_tasks need about 9 GiB"):
+    distributed.agree("validate", lambda: checked.append(1))
+  assert checked == [1] and posted["elsa/agree/0-validate/1"] == "null"
+  posted["elsa/from0/1-read results.json"] = '["value", {"done": 1}]'
+  assert distributed.from_process_0("read results.json",
+                                    lambda: None) == {"done": 1}
+  posted["elsa/from0/2-read partial.json"] = json.dumps(
+      ["CorruptOutput", "'partial.json' fails its checksum"])
+  with pytest.raises(common.CorruptOutput, match="^process 0: 'partial.json'"):
+    distributed.from_process_0("read partial.json", lambda: None)
