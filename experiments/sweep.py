@@ -316,11 +316,12 @@ def _read_finished(wd: common.Workdir, name: str, read):
 
 def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
               mesh: Mesh, progress: common.Progress, *, wd: common.Workdir,
-              chunks_done: np.ndarray, writer: bool) -> dict:
+              chunks_done: np.ndarray) -> dict:
   """All chunks of one form through one compiled function; returns the records.
 
   Chunks flagged in ``chunks_done`` are loaded from their files; every other
-  chunk is computed and (by the ``writer``) saved as soon as it is done.
+  chunk is computed and saved as soon as it is done (by process 0: the
+  workdir's writes, :class:`experiments.distributed.SharedWorkdir`).
   """
   form = make_form(name, config)
   traces = []
@@ -346,8 +347,7 @@ def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
         out = measure(*(distributed.put(items[k][index], split)
                           for k in inputs))
         out = {metric: np.asarray(out[metric])[:real] for metric in _METRICS}
-        if writer:
-          wd.write_npz(chunk_file, out)
+        wd.write_npz(chunk_file, out)
         progress.update(real)
       for metric in _METRICS:
         outputs[metric].append(out[metric])
@@ -443,11 +443,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   with common.float_dtype_enabled(config.dtype) as dtype, \
       distributed.claim_workdir(workdir, config, overwrite=overwrite,
                                 owned=_OWNED) as wd:
-    return _run(config, wd, dtype, writer=distributed.is_writer())
+    return _run(config, wd, dtype)
 
 
-def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype, *,
-         writer: bool) -> dict:
+def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype
+         ) -> dict:
   mesh = distributed.mesh()
   size, starts = chunk_starts(config, mesh.size)
   finished = _finished(wd, config, size, starts)
@@ -475,9 +475,8 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype, *,
     if name in partial:
       continue
     partial[name] = _run_form(name, config, items, mesh, progress, wd=wd,
-                              chunks_done=chunks_done, writer=writer)
-    if writer:
-      wd.write_json(_form_file(name), partial[name])
+                              chunks_done=chunks_done)
+    wd.write_json(_form_file(name), partial[name])
 
   records = [r for name in config.forms for r in partial[name]["records"]]
   results = dict(
@@ -493,10 +492,9 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype, *,
       traces={name: partial[name]["traces"] for name in config.forms},
       devices=mesh.size, backend=jax.default_backend(),
       seconds=time.perf_counter() - start, records=records)
-  if writer:
-    _write_figures(results, wd)
-    # results.json last: its presence means the run is complete.
-    wd.write_json("results.json", results)
+  _write_figures(results, wd)
+  # results.json last: its presence means the run is complete.
+  wd.write_json("results.json", results)
   print(summary_table(results))
   return results
 

@@ -605,9 +605,8 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir, mesh,
   # What results.json will hold (non-finite numbers as None), returned too.
   results = common.finite_or_none(results)
   _track_evaluation(config, results, tracker)
-  if distributed.is_writer():
-    _write_figures(results, wd)
-    wd.write_json("results.json", results)
+  _write_figures(results, wd)
+  wd.write_json("results.json", results)
   for i, depth in enumerate(config.depths):
     logging.info("L=%d: " + ", ".join(f"{k} %.4g" for k in results["test_loss"]),
                  depth, *(v[i] for v in results["test_loss"].values()))
