@@ -51,11 +51,11 @@ from typing import Any
 from absl import app
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 import optax
 import orbax.checkpoint as ocp
 
@@ -204,14 +204,14 @@ def _sharded_grid_steps(states, key_data, rest, *, graphdef, spec, tx,
       out, NamedSharding(mesh, PartitionSpec()))
 
 
-def _learning_rate(config, peak: float, steps: np.ndarray) -> np.ndarray:
-  """The schedule of ``training.optimizer`` at ``steps`` (what each step's
-  update was scaled by)."""
+def _learning_rate(config, peaks: np.ndarray, step: int) -> np.ndarray:
+  """The rate of ``training.optimizer`` with each of the ``peaks`` at
+  ``step`` (what that step's update was scaled by)."""
   shape = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=1.0, warmup_steps=config.warmup_steps,
       decay_steps=max(config.steps, config.warmup_steps + 1),
       end_value=config.end_fraction)
-  return peak * np.asarray(shape(steps))
+  return peaks * np.asarray(shape(step))
 
 
 def _point_tag(name: str, depth: int, lr: float, scale: float) -> str:
@@ -313,6 +313,7 @@ def train_one(config, *, name: str, depth: int, folder: str,
   key = jax.random.fold_in(jax.random.key(config.seed), 10_000 + depth)
   key_data, rest = on_mesh((jax.random.key_data(key), split.rest))
   tags = [_point_tag(name, depth, lr, scale) for lr, scale in points]
+  peaks = np.asarray([lr for lr, _ in points])
   step = start or 0
   timed_steps, timed_seconds = 0, 0.0
   while step < config.steps:
@@ -329,8 +330,7 @@ def train_one(config, *, name: str, depth: int, folder: str,
       tracker.scalars(i, {f"train/{tag}/loss": loss
                           for tag, loss in zip(tags, losses[:, i])})
       tracker.scalars(i, {f"train/{tag}/learning_rate": rate for tag, rate in
-                          zip(tags, _learning_rate(config, np.asarray(
-                              [lr for lr, _ in points]), i))})
+                          zip(tags, _learning_rate(config, peaks, i))})
     step += chunk
     state = jax.tree.map(lambda a: np.reshape(a, (-1, *np.shape(a)[2:])),
                          distributed.to_host(grouped))
