@@ -38,6 +38,7 @@ which then do nothing more than the one-process run did.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -65,7 +66,7 @@ _FAILED_KEY = "elsa/failed"
 # claim): a step every process runs at once, so a peer that has not posted
 # in this time is gone.
 _AGREE_TIMEOUT_MS = 10 * 60 * 1000
-_steps = iter(range(1 << 62))  # names each exchange (keys are set once)
+_steps = itertools.count()  # names each exchange (keys are set once)
 _agreed_failure = False  # the last refusal was raised on every process
 
 
