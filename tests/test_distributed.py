@@ -1,7 +1,9 @@
 """Drivers as two processes of one ``jax.distributed`` job (2 CPU devices each)
-against one process on as many devices, through :mod:`tests.multiprocess`.
+against one process (on one device, or as many as the job), through
+:mod:`tests.multiprocess`; and the agreement of processes on a refusal.
 
-Each job compiles in every process: a few tens of seconds on 2 cores.
+Each job compiles in every process, so each test takes tens of seconds to a
+few minutes on 2 cores (tiny configs).
 """
 
 import json
