@@ -194,7 +194,7 @@ class SharedWorkdir(common.Workdir):
 def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
                   overwrite: bool = False, owned: Sequence[str] = ()
                   ) -> Iterator[common.Workdir]:
-  """:func:`experiments.common.claim_workdir` by process 0; a read-only view elsewhere.
+  """:func:`experiments.common.claim_workdir` by process 0, for every process.
 
   Every process leaves only when process 0 holds the workdir (its deletions
   under ``overwrite`` done, ``config.json`` written), or raises the refusal
