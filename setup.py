@@ -22,6 +22,8 @@ setup(
         "ml_collections>=0.1.1",
         "matplotlib>=3.8",
         "orbax-checkpoint>=0.6",
+        # TensorBoard event files without TensorFlow (experiments.tracking).
+        "tensorboardX>=2.6",
     ],
     extras_require={
         "test": [

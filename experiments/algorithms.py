@@ -58,6 +58,7 @@ from elsa import algorithms as algorithms_lib
 from elsa import programs
 from elsa import ridge
 from experiments import common
+from experiments import distributed
 from experiments import plotting
 from experiments.newton import spectrum_tasks
 
@@ -106,7 +107,7 @@ def _layer_of(params, index: int):
 
 
 def stack_errors(compiled: programs.Compiled, *, budget: int, dtype,
-                 on_trace=None):
+                 on_trace=None, mesh=None):
   """A jitted ``(x, y, xq, w_star, scalars, schedules, tol) -> errors [B, budget + 1]``.
 
   Runs the compiled stack, vmapped over the tasks: its set-up layers, then its
@@ -114,7 +115,9 @@ def stack_errors(compiled: programs.Compiled, *, budget: int, dtype,
   ``lax.while_loop`` that stops when every task's ``w`` is within ``tol`` of
   ``w_star`` or after ``budget`` total layers. ``errors[:, t]`` is
   ``||w_t - w*|| / ||w*||`` (float64) of state ``t``, NaN past the stop. The
-  read-out layer (``p = Xq @ w``) changes no ``w`` and is not run.
+  read-out layer (``p = Xq @ w``) changes no ``w`` and is not run. With a
+  ``mesh`` the errors come back replicated on it (the tasks split over it
+  by :func:`experiments.distributed.put_tasks`).
   """
   setup = compiled.setup_layers
   loops = budget - setup
@@ -161,17 +164,22 @@ def stack_errors(compiled: programs.Compiled, *, budget: int, dtype,
       on_trace()
     return jax.vmap(one, in_axes=(0, 0, 0, 0, 0, 0, None))(*args)
 
-  return jax.jit(batch)
+  return _jit_on(batch, mesh)
+
+
+def _jit_on(batch, mesh):
+  return jax.jit(batch, out_shardings=None if mesh is None
+                 else distributed.replicated(mesh))
 
 
 def interpreter_errors(prog: programs.Program, *, loops: int, dtype,
-                       on_trace=None):
+                       on_trace=None, mesh=None):
   """A jitted ``(x, y, xq, w_star, scalars, schedules) -> errors [B, setup + loops + 1]``.
 
   ``||w_t - w*|| / ||w*||`` of :func:`elsa.programs.run` (the reference
   interpreter, the same program on plain arrays) at every layer up to the
   last loop, vmapped over the tasks. ``loops`` is static: one compile per
-  program and dtype.
+  program and dtype. ``mesh``: as :func:`stack_errors`.
   """
 
   def one(x, y, xq, w_star, scalars, schedules):
@@ -189,7 +197,7 @@ def interpreter_errors(prog: programs.Program, *, loops: int, dtype,
       on_trace()
     return jax.vmap(one)(*args)
 
-  return jax.jit(batch)
+  return _jit_on(batch, mesh)
 
 
 def _after_loops(prog: programs.Program) -> int:
@@ -235,21 +243,25 @@ def _compiled(runner: dict, key: str, args) -> tuple:
 
 
 def _measure(name: str, dtype: str, config, data: dict, runner: dict) -> dict:
-  """Compiled and interpreted counts of one algorithm, dtype and kappa."""
+  """Compiled and interpreted counts of one algorithm, dtype and kappa, the
+  tasks split over ``runner["mesh"]``."""
   tol = config.tol if dtype == "float64" else config.tol_float32
-  cast = lambda a: jnp.asarray(a, jnp.dtype(dtype))
-  setup = runner["setup"]
+  cast = lambda a: np.asarray(a, jnp.dtype(dtype))
+  setup, mesh = runner["setup"], runner["mesh"]
   scalars, schedules = data["steps"][name]
-  args = (cast(data["x"]), cast(data["y"]), cast(data["xq"]),
-          jnp.asarray(data["w_star"]),
-          {k: cast(v) for k, v in scalars.items()},
-          {k: cast(v) for k, v in schedules.items()})
-  stack, compile_stack = _compiled(runner, "stack", (*args, jnp.float64(tol)))
+  args = distributed.put_tasks(
+      (cast(data["x"]), cast(data["y"]), cast(data["xq"]),
+       np.asarray(data["w_star"]), {k: cast(v) for k, v in scalars.items()},
+       {k: cast(v) for k, v in schedules.items()}), mesh)
+  tol_arg = distributed.put(np.float64(tol), distributed.replicated(mesh))
+  count = len(data["x"])
+  stack, compile_stack = _compiled(runner, "stack", (*args, tol_arg))
   start = time.perf_counter()
-  errors = np.asarray(jax.block_until_ready(stack(*args, jnp.float64(tol))))
+  errors = distributed.take_tasks(jax.block_until_ready(stack(*args, tol_arg)),
+                                  count)
   elapsed = time.perf_counter() - start
   interpreter, compile_interpreter = _compiled(runner, "interpreter", args)
-  interp = np.asarray(interpreter(*args))
+  interp = distributed.take_tasks(interpreter(*args), count)
   counts = first_below(errors, tol)
   layers_run = int(np.isfinite(errors).sum(axis=1).max()) - 1
   finite_min = lambda e: float(np.nanmin(e)) if np.isfinite(e).any() else None
@@ -296,7 +308,9 @@ def _budget(name: str, config) -> int:
 def make_runners(config, *, on_trace=None) -> dict:
   """Per algorithm: its program, compiled stack and sizes, and per dtype the
   jitted stack runner (:func:`stack_errors`) and interpreter
-  (:func:`interpreter_errors`); each is compiled at its first use."""
+  (:func:`interpreter_errors`), on a mesh of every device (tasks split over
+  it); each is compiled at its first use."""
+  mesh = distributed.mesh()
   runners = {}
   for name in config.algorithms:
     prog = build_program(name, config)
@@ -312,11 +326,12 @@ def make_runners(config, *, on_trace=None) -> dict:
                   interpreter_loops=loops, components=compiled.components),
         **{dtype: dict(
             stack=stack_errors(compiled, budget=budgets[dtype],
-                               dtype=jnp.dtype(dtype), on_trace=on_trace),
+                               dtype=jnp.dtype(dtype), on_trace=on_trace,
+                               mesh=mesh),
             interpreter=interpreter_errors(prog, loops=loops[dtype],
                                            dtype=jnp.dtype(dtype),
-                                           on_trace=on_trace),
-            setup=setup) for dtype in DTYPES})
+                                           on_trace=on_trace, mesh=mesh),
+            setup=setup, mesh=mesh) for dtype in DTYPES})
   return runners
 
 
@@ -484,8 +499,8 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
     experiments.common.CorruptOutput: a saved file is damaged, altered or of
       another config.
   """
-  validate(config)
-  with jax.enable_x64(True), common.claim_workdir(
+  distributed.agree("validate", validate, config)
+  with jax.enable_x64(True), distributed.claim_workdir(
       workdir, config, overwrite=overwrite) as wd:
     results = wd.results(lambda: _race(config, wd), name="algorithms")
     wd.save_figure(plotting.algorithm_layers(results),
@@ -495,9 +510,10 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
 
 
 def main(argv):
-  common.run_main(argv, "algorithms", run)
+  distributed.run_main(argv, "algorithms", run)
 
 
 if __name__ == "__main__":
   common.define_flags("algorithms")
+  distributed.define_flags()
   app.run(main)

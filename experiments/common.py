@@ -158,11 +158,13 @@ def check_seed(config, field: str = "seed") -> int:
 
 
 def memory_bytes() -> int:
-  """What one run may hold: host RAM, or the first device's memory if smaller."""
+  """What one process may hold: host RAM, or its smallest device's memory if
+  smaller (this process's devices only: another host's cannot be asked)."""
   limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  stats = jax.devices()[0].memory_stats() or {}
-  if stats.get("bytes_limit"):
-    limit = min(limit, int(stats["bytes_limit"]))
+  for device in jax.local_devices():
+    stats = device.memory_stats() or {}
+    if stats.get("bytes_limit"):
+      limit = min(limit, int(stats["bytes_limit"]))
   return limit
 
 

@@ -43,6 +43,7 @@ import elsa
 from elsa import ridge
 from elsa.forms.newton import Newton
 from experiments import common
+from experiments import distributed
 from experiments import plotting
 
 
@@ -94,10 +95,12 @@ def gd_steps_to_tol(evals, coeffs, *, eta: float, tol: float,
   return hi
 
 
-def newton_decoder(form: Newton, *, lam: float, depth: int):
+def newton_decoder(form: Newton, *, lam: float, depth: int, mesh=None):
   """A jitted ``(x, y, xq, alpha) -> w`` after every layer, ``[B, 2 + depth + 1, d]``.
 
-  Batched over tasks and their ``alpha`` (traced: one compile per dtype).
+  Batched over tasks and their ``alpha`` (traced: one compile per dtype);
+  with a ``mesh`` the tasks are split over it (host arrays in, numpy out,
+  :func:`experiments.distributed.put_tasks`).
   """
 
   def states(x, y, xq, alpha):
@@ -106,7 +109,12 @@ def newton_decoder(form: Newton, *, lam: float, depth: int):
     h0 = form.encode(x, y, x_query=xq)
     return form.decode_w(elsa.elsa_stack(params, h0, return_all=True))
 
-  return jax.jit(jax.vmap(states))
+  decode = jax.jit(jax.vmap(states), out_shardings=None if mesh is None
+                   else distributed.replicated(mesh))
+  if mesh is None:
+    return decode
+  return lambda *args: distributed.take_tasks(
+      decode(*distributed.put_tasks(args, mesh)), len(args[0]))
 
 
 def _relative_errors(ws, w_star) -> np.ndarray:
@@ -149,7 +157,7 @@ def _kappa_result(config, kappa: float, rng: np.random.Generator, decoder
         for s in steps]
     for dtype, tol in ((jnp.float64, config.tol),
                        (jnp.float32, config.tol_float32)):
-      cast = lambda arr: jnp.asarray(arr, dtype)  # pylint: disable=cell-var-from-loop
+      cast = lambda arr: np.asarray(arr, dtype)  # pylint: disable=cell-var-from-loop
       errors = _relative_errors(decoder(cast(x), cast(y), cast(xq),
                                         cast(alpha)), w_star)
       key = f"newton_{jnp.dtype(dtype).name}_{name}"
@@ -255,7 +263,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
 def _per_kappa(config, wd: common.Workdir) -> list[dict]:
   """Every kappa's result: loaded if an earlier run saved it, else computed and saved."""
   form = Newton(n_train=config.n_train, d=config.d, n_query=config.n_query)
-  decoder = newton_decoder(form, lam=config.lam, depth=config.depth)
+  decoder = newton_decoder(form, lam=config.lam, depth=config.depth,
+                           mesh=distributed.mesh())
   return common.per_kappa(
       config, wd, lambda kappa, rng: _kappa_result(config, kappa, rng, decoder),
       name="newton")
@@ -277,8 +286,8 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
     experiments.common.CorruptOutput: a saved file is damaged, altered or of
       another config.
   """
-  validate(config)
-  with jax.enable_x64(True), common.claim_workdir(
+  distributed.agree("validate", validate, config)
+  with jax.enable_x64(True), distributed.claim_workdir(
       workdir, config, overwrite=overwrite) as wd:
     results = wd.results(lambda: {"config": common.config_dict(config),
                                   "per_kappa": _per_kappa(config, wd)},
@@ -290,9 +299,10 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
 
 
 def main(argv):
-  common.run_main(argv, "newton", run)
+  distributed.run_main(argv, "newton", run)
 
 
 if __name__ == "__main__":
   common.define_flags("newton")
+  distributed.define_flags()
   app.run(main)

@@ -39,11 +39,14 @@ The config is checked before the workdir is claimed (:func:`validate`):
 twice, and arrays that fit in memory. ``config.dtype = "float64"`` turns on ``jax_enable_x64`` for
 the run and restores the previous setting after it.
 
-Multi-host (``--distributed``): process 0 alone writes; every process runs the
-same chunks. After process 0 has claimed the workdir (which may delete an old
-run's files) all processes meet at a barrier, and process 0's view of what is
-finished is broadcast, so all agree on the work left. The workdir must be on a
-filesystem every process sees (they read the finished files process 0 names).
+Multi-host (``--distributed``, :mod:`experiments.distributed`): every process
+validates the config and all agree on the outcome before anyone waits;
+process 0 alone claims the workdir (which may delete an old run's files) and
+writes; every process runs the same chunks, each item on one device of the
+global mesh. The others wait for process 0's claim, and process 0's view of
+what is finished is broadcast, so all agree on the work left. The workdir
+must be on a filesystem every process sees (they read the finished files
+process 0 names).
 
 A cell (form, lam, eta) is ``diverged`` when ``eta`` is at or past the GD
 stability limit ``2 / (lambda_max(X^T X/N) + lam)`` of any of its tasks, or any
@@ -58,7 +61,6 @@ import functools
 import time
 
 from absl import app
-from absl import flags
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
@@ -71,6 +73,7 @@ import elsa
 from elsa import forms
 from elsa import ridge
 from experiments import common
+from experiments import distributed
 from experiments import plotting
 
 Array = jax.Array
@@ -250,12 +253,6 @@ def bytes_needed(config: ml_collections.ConfigDict) -> int:
   return itemsize * (n_items * inputs + 3 * chunk * per_item)
 
 
-def _put(array: np.ndarray, sharding: NamedSharding) -> Array:
-  """A global array from the same host array on every process."""
-  return jax.make_array_from_callback(array.shape, sharding,
-                                      lambda index: array[index])
-
-
 def _n_items(config: ml_collections.ConfigDict) -> int:
   return len(config.lams) * len(config.etas) * config.n_tasks
 
@@ -296,9 +293,8 @@ def _finished(wd: common.Workdir, config: ml_collections.ConfigDict,
       chunks=np.asarray([[exists(_chunk_file(n, s, size)) for s in starts]
                          for n in config.forms], np.int32))
   if jax.process_count() > 1:
-    # Process 0 may have just deleted an old run (--overwrite): it waits
-    # here for everyone, and everyone takes its word on what is done.
-    multihost_utils.sync_global_devices("elsa-sweep-workdir")
+    # Process 0 may have just deleted an old run (--overwrite), and another
+    # host may see the shared filesystem late: everyone takes its word.
     flags = multihost_utils.broadcast_one_to_all(flags)
   return {k: np.asarray(v).astype(bool) for k, v in flags.items()}
 
@@ -316,11 +312,12 @@ def _read_finished(wd: common.Workdir, name: str, read):
 
 def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
               mesh: Mesh, progress: common.Progress, *, wd: common.Workdir,
-              chunks_done: np.ndarray, writer: bool) -> dict:
+              chunks_done: np.ndarray) -> dict:
   """All chunks of one form through one compiled function; returns the records.
 
   Chunks flagged in ``chunks_done`` are loaded from their files; every other
-  chunk is computed and (by the ``writer``) saved as soon as it is done.
+  chunk is computed and saved as soon as it is done (by process 0: the
+  workdir's writes, :class:`experiments.distributed.SharedWorkdir`).
   """
   form = make_form(name, config)
   traces = []
@@ -343,10 +340,10 @@ def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
         # the function compiles once.
         index = np.arange(start, start + size)
         index = np.where(index < n_items, index, 0)
-        out = measure(*(_put(items[k][index], split) for k in inputs))
+        out = measure(*(distributed.put(items[k][index], split)
+                          for k in inputs))
         out = {metric: np.asarray(out[metric])[:real] for metric in _METRICS}
-        if writer:
-          wd.write_npz(chunk_file, out)
+        wd.write_npz(chunk_file, out)
         progress.update(real)
       for metric in _METRICS:
         outputs[metric].append(out[metric])
@@ -438,17 +435,15 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     experiments.common.CorruptOutput: a saved file is damaged, altered or of
       another config.
   """
-  validate(config)
-  with common.float_dtype_enabled(config.dtype) as dtype:
-    if jax.process_index() != 0:  # only process 0 claims and writes
-      return _run(config, common.Workdir(workdir, config), dtype, writer=False)
-    with common.claim_workdir(workdir, config, overwrite=overwrite) as wd:
-      return _run(config, wd, dtype, writer=True)
+  distributed.agree("validate", validate, config)
+  with common.float_dtype_enabled(config.dtype) as dtype, \
+      distributed.claim_workdir(workdir, config, overwrite=overwrite) as wd:
+    return _run(config, wd, dtype)
 
 
-def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype, *,
-         writer: bool) -> dict:
-  mesh = Mesh(np.array(jax.devices()), ("batch",))
+def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype
+         ) -> dict:
+  mesh = distributed.mesh()
   size, starts = chunk_starts(config, mesh.size)
   finished = _finished(wd, config, size, starts)
   if finished["results"]:
@@ -475,9 +470,8 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype, *,
     if name in partial:
       continue
     partial[name] = _run_form(name, config, items, mesh, progress, wd=wd,
-                              chunks_done=chunks_done, writer=writer)
-    if writer:
-      wd.write_json(_form_file(name), partial[name])
+                              chunks_done=chunks_done)
+    wd.write_json(_form_file(name), partial[name])
 
   records = [r for name in config.forms for r in partial[name]["records"]]
   results = dict(
@@ -493,22 +487,18 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype, *,
       traces={name: partial[name]["traces"] for name in config.forms},
       devices=mesh.size, backend=jax.default_backend(),
       seconds=time.perf_counter() - start, records=records)
-  if writer:
-    _write_figures(results, wd)
-    # results.json last: its presence means the run is complete.
-    wd.write_json("results.json", results)
+  _write_figures(results, wd)
+  # results.json last: its presence means the run is complete.
+  wd.write_json("results.json", results)
   print(summary_table(results))
   return results
 
 
 def main(argv) -> None:
-  if flags.FLAGS.distributed:
-    jax.distributed.initialize()
-  common.run_main(argv, "sweep", run)
+  distributed.run_main(argv, "sweep", run)
 
 
 if __name__ == "__main__":
   common.define_flags("sweep")
-  flags.DEFINE_bool("distributed", False,
-                    "Call jax.distributed.initialize() first (multi-host).")
+  distributed.define_flags()
   app.run(main)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging as std_logging
+import math
 import os
 import time
 from typing import Any
@@ -52,14 +53,19 @@ from typing import Any
 from absl import app
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 
 from elsa import training
 from experiments import common
+from experiments import distributed
 from experiments import plotting
+from experiments import tracking
 
 # name -> switches of training.init_model.
 MODELS = {"elsa_trained": dict(use_bias=True, residual=False,
@@ -183,6 +189,91 @@ def grid(config) -> list[tuple[float, float]]:
   return list(itertools.product(config.learning_rates, config.init_scales))
 
 
+def layout(config) -> tuple[int, int]:
+  """``(groups, shards)``: every device, as ``groups`` of grid points times
+  ``shards`` of each batch.
+
+  The grid takes as many devices as divide it (its points share nothing: no
+  communication), the batch the rest (data-parallel: the loss's mean, and so
+  the gradients, reduced over them by XLA each step): ``groups = gcd(devices,
+  grid points)``.
+
+  Raises:
+    common.ConfigError: ``config.batch`` does not split over the shards.
+  """
+  devices = jax.device_count()
+  groups = math.gcd(devices, len(grid(config)))
+  shards = devices // groups
+  if config.batch % shards:
+    raise common.ConfigError(
+        f"config.batch must be a multiple of {shards} to split over the "
+        f"{devices} devices ({groups} groups of the {len(grid(config))} grid "
+        f"points, each batch over {shards}), got {config.batch}.")
+  return groups, shards
+
+
+def bytes_per_device(config, shards: int) -> int:
+  """About what one device holds at once: a training step of one grid point
+  on its share of the batch (tokens and activations at every layer of every
+  component, kept for the backward pass, a few copies), or an evaluation
+  chunk of every model and baseline (unsharded)."""
+  form = _spec(config).model_tokens()
+  tokens = form.m * form.n
+  depth, parts = max(config.depths), config.components * 4
+  step = config.batch // shards * tokens * (depth + 1) * parts
+  evaluation = (min(config.eval_chunk, config.n_test) * tokens * (depth + 1)
+                * (len(config.models) + len(BASELINES)) * 4)
+  return 4 * (max(step, evaluation) + len(grid(config)) * tokens * parts)
+
+
+def check_devices(config) -> tuple[int, int]:
+  """:func:`validate`, then what depends on the devices: the :func:`layout`,
+  and memory per device (this process's devices). Returns the layout."""
+  validate(config)
+  groups, shards = layout(config)
+  distributed.check_fits(bytes_per_device(config, shards),
+                         fields="batch, depths, components, n_train, d, "
+                                "eval_chunk and the grid")
+  return groups, shards
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "tx",
+                                             "batch", "steps", "mesh"))
+def _sharded_grid_steps(states, key_data, rest, *, graphdef, spec, tx,
+                        batch: int, steps: int, mesh):
+  """``training.train_grid_steps`` on a ``("grid", "batch")`` mesh.
+
+  ``states`` (replicated) has its grid axis split as ``[groups, G / groups,
+  ...]``: the groups go to the mesh's ``grid`` axis, each group's points run
+  one after another, and every step's batch is split over ``batch``. Returns
+  the states and losses ``[groups, G / groups, steps]``, replicated (every
+  process reads them; the parameters are small).
+  """
+  split = lambda tree: jax.lax.with_sharding_constraint(
+      tree, NamedSharding(mesh, PartitionSpec("grid")))
+  run = lambda state: training.train_grid_steps(
+      state, jax.random.wrap_key_data(key_data), graphdef=graphdef,
+      rest=rest, spec=spec, tx=tx, batch=batch, steps=steps,
+      batch_sharding=NamedSharding(mesh, PartitionSpec("batch")))
+  out = jax.vmap(run, spmd_axis_name="grid")(split(states))
+  return jax.lax.with_sharding_constraint(
+      out, NamedSharding(mesh, PartitionSpec()))
+
+
+def _learning_rate(config, peaks: np.ndarray, step: int) -> np.ndarray:
+  """The rate of ``training.optimizer`` with each of the ``peaks`` at
+  ``step`` (what that step's update was scaled by)."""
+  shape = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=1.0, warmup_steps=config.warmup_steps,
+      decay_steps=max(config.steps, config.warmup_steps + 1),
+      end_value=config.end_fraction)
+  return peaks * np.asarray(shape(step))
+
+
+def _point_tag(name: str, depth: int, lr: float, scale: float) -> str:
+  return f"{name}/L{depth}/lr_{lr:g}_init_scale_{scale:g}"
+
+
 def _init(config, *, name: str, depth: int, init_scale: float, dtype):
   # One key per depth for every model and scale: the random part of the
   # weights is the same draw, only its scale differs.
@@ -258,9 +349,14 @@ def _restore(manager, wd: common.Workdir, folder: str, state, losses):
 
 
 def train_one(config, *, name: str, depth: int, wd: common.Workdir,
-              progress: common.Progress):
-  """Trains (or resumes, or loads) one model over the whole grid, checkpointed
-  in ``checkpoints/<name>_L<depth>/`` of ``wd``.
+              progress: common.Progress, mesh, tracker: tracking.Tracker):
+  """Trains (or resumes, or loads) one model over the whole grid, on ``mesh``,
+  checkpointed in ``checkpoints/<name>_L<depth>/`` of ``wd``.
+
+  ``mesh``: axes ``("grid", "batch")`` over every device (:func:`layout`).
+  Process 0 alone checkpoints (every ``checkpoint_every`` steps) and
+  restores; the others take its restored state. Every step's loss and
+  learning rate of every grid point go to ``tracker``.
 
   Returns:
     the split with parameters stacked over the ``G`` grid points, the losses
@@ -272,38 +368,66 @@ def train_one(config, *, name: str, depth: int, wd: common.Workdir,
                   warmup_steps=config.warmup_steps,
                   end_fraction=config.end_fraction, clip_norm=config.clip_norm)
   points = grid(config)
-  state = training.grid_init_state(
-      split.params, tx, learning_rates=jnp.asarray([lr for lr, _ in points]))
+  state = distributed.to_host(training.grid_init_state(
+      split.params, tx, learning_rates=jnp.asarray([lr for lr, _ in points])))
   losses = np.full((len(points), config.steps), np.nan, DTYPE)
   checkpoints = os.path.join("checkpoints", f"{name}_L{depth}")
-  wd.own(checkpoints, tree=True)
   folder = wd.path(checkpoints)
-  manager = ocp.CheckpointManager(
-      os.path.abspath(folder),
-      options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints))
-  start, state, losses = _restore(manager, wd, folder, state, losses)
+  manager, start = None, None
+  if distributed.is_writer():
+    wd.own(checkpoints, tree=True)
+    manager = ocp.CheckpointManager(
+        os.path.abspath(folder), options=ocp.CheckpointManagerOptions(
+            max_to_keep=config.keep_checkpoints, create=False,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=0, active_processes={0})))
+    start, state, losses = _restore(manager, wd, folder, state, losses)
   if start is not None:
     logging.info("%s: resumed at step %d", folder, start)
+  if jax.process_count() > 1:
+    start, state, losses = distributed.to_host(
+        multihost_utils.broadcast_one_to_all(
+            (-1 if start is None else start, state, losses)))
+    start, losses = None if start < 0 else int(start), np.array(losses)
+  if start is not None:
     progress.resumed(start * len(points))
+  groups = mesh.shape["grid"]
+  replicated = NamedSharding(mesh, PartitionSpec())
+  on_mesh = lambda tree: jax.tree.map(
+      lambda a: distributed.put(a, replicated), tree)
+  grouped = on_mesh(jax.tree.map(
+      lambda a: np.reshape(a, (groups, -1, *np.shape(a)[1:])), state))
   key = jax.random.fold_in(jax.random.key(config.seed), 10_000 + depth)
+  key_data, rest = on_mesh((jax.random.key_data(key), split.rest))
+  tags = [_point_tag(name, depth, lr, scale) for lr, scale in points]
+  peaks = np.asarray([lr for lr, _ in points])
   step = start or 0
   timed_steps, timed_seconds = 0, 0.0
   while step < config.steps:
     chunk = min(config.checkpoint_every, config.steps - step)
     tic = time.perf_counter()
-    state, chunk_losses = training.train_grid_steps(
-        state, key, graphdef=split.graphdef, rest=split.rest,
-        spec=_spec(config), tx=tx, batch=config.batch, steps=chunk)
-    losses[:, step:step + chunk] = np.asarray(chunk_losses)
+    grouped, chunk_losses = _sharded_grid_steps(
+        grouped, key_data, rest, graphdef=split.graphdef, spec=_spec(config),
+        tx=tx, batch=config.batch, steps=chunk, mesh=mesh)
+    losses[:, step:step + chunk] = np.reshape(chunk_losses, (-1, chunk))
     if step > (start or 0):  # the first chunk of a process compiles
       timed_steps += chunk
       timed_seconds += time.perf_counter() - tic
+    for i in range(step, step + chunk):
+      tracker.scalars(i, {f"train/{tag}/loss": loss
+                          for tag, loss in zip(tags, losses[:, i])})
+      tracker.scalars(i, {f"train/{tag}/learning_rate": rate for tag, rate in
+                          zip(tags, _learning_rate(config, peaks, i))})
     step += chunk
-    manager.save(step, args=ocp.args.StandardSave(_checkpointed(wd, state,
-                                                                losses)))
+    state = jax.tree.map(lambda a: np.reshape(a, (-1, *np.shape(a)[2:])),
+                         distributed.to_host(grouped))
+    if manager is not None:
+      manager.save(step, args=ocp.args.StandardSave(
+          _checkpointed(wd, state, losses)))
     progress.update(chunk * len(points))
-  manager.wait_until_finished()
-  manager.close()
+  if manager is not None:
+    manager.wait_until_finished()
+    manager.close()
   for (lr, scale), point_losses in zip(points, losses):
     if not np.isfinite(point_losses).all():
       logging.warning("%s: lr=%g init_scale=%g DIVERGED (non-finite loss from "
@@ -498,18 +622,27 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   Returns:
     The results dict (what ``results.json`` holds).
   """
-  validate(config)
-  with common.claim_workdir(workdir, config, overwrite=overwrite) as wd:
+  groups, shards = distributed.agree("validate", check_devices, config)
+  with distributed.claim_workdir(workdir, config, overwrite=overwrite) as wd:
     done = wd.read_json("results.json")
     if done is not None:
       logging.info("%s: results of this config exist; nothing to do.", workdir)
       return done
-    return _run(config, wd)
+    tracker = tracking.Tracker(wd)
+    try:
+      return _run(config, wd, distributed.mesh((groups, shards),
+                                               ("grid", "batch")), tracker)
+    finally:
+      tracker.close()
 
 
-def _run(config: ml_collections.ConfigDict, wd: common.Workdir) -> dict:
+def _run(config: ml_collections.ConfigDict, wd: common.Workdir, mesh,
+         tracker: tracking.Tracker) -> dict:
   start = time.perf_counter()
   points = grid(config)
+  logging.info("train: %d grid points in %d groups, each batch over %d of "
+               "%d %s devices", len(points), mesh.shape["grid"],
+               mesh.shape["batch"], mesh.size, jax.default_backend())
   progress = common.Progress(
       len(config.models) * len(config.depths) * config.steps * len(points),
       name="train", unit="steps")
@@ -521,7 +654,8 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir) -> dict:
     ms_per_step[name] = []
     for depth in config.depths:
       split, losses, seconds = train_one(
-          config, name=name, depth=depth, wd=wd, progress=progress)
+          config, name=name, depth=depth, wd=wd, progress=progress,
+          mesh=mesh, tracker=tracker)
       choice = _select(config, split, losses, val_task)
       index = choice.pop("index")
       if index is not None:
@@ -554,12 +688,30 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir) -> dict:
   results["seconds"] = time.perf_counter() - start
   # What results.json will hold (non-finite numbers as None), returned too.
   results = common.finite_or_none(results)
+  _track_evaluation(config, results, tracker)
   _write_figures(results, wd)
   wd.write_json("results.json", results)
   for i, depth in enumerate(config.depths):
     logging.info("L=%d: " + ", ".join(f"{k} %.4g" for k in results["test_loss"]),
                  depth, *(v[i] for v in results["test_loss"].values()))
   return results
+
+
+def _track_evaluation(config, results: dict, tracker: tracking.Tracker
+                      ) -> None:
+  """Validation losses per grid point, test losses per model and baseline
+  (TensorBoard step: the depth), and the config with the deepest test losses."""
+  for name in config.models:
+    for depth, choice in zip(config.depths, results["tuning"][name]):
+      tracker.scalars(config.steps, {
+          f"validation/{_point_tag(name, depth, lr, scale)}/loss": loss
+          for (lr, scale), loss in zip(grid(config), choice["val_loss"])})
+  for name, by_depth in results["test_loss"].items():
+    for depth, loss in zip(config.depths, by_depth):
+      tracker.scalars(depth, {f"test/{name}/loss": loss})
+  tracker.hparams(config, {f"test/{name}/loss_at_L{max(config.depths)}":
+                           by_depth[-1] for name, by_depth in
+                           results["test_loss"].items()})
 
 
 def _quiet_orbax() -> None:
@@ -571,9 +723,10 @@ def _quiet_orbax() -> None:
 
 def main(argv) -> None:
   _quiet_orbax()
-  common.run_main(argv, "train", run)
+  distributed.run_main(argv, "train", run)
 
 
 if __name__ == "__main__":
   common.define_flags("train")
+  distributed.define_flags()
   app.run(main)

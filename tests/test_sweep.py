@@ -331,22 +331,25 @@ def test_other_processes_take_process_0s_word_on_what_is_done(tmp_path,
   for name in ("results.json", "partial_designed.json"):
     common.write_json(os.path.join(workdir, name), {"stale": True})
   before = sorted(os.listdir(workdir))
-  synced, broadcast = [], []
+  claimed, broadcast = [], []
+
+  def agree(step, check, *args):
+    claimed.append(step)
+    return check(*args)
 
   def from_process_0(flags):
     broadcast.append(jax.tree.map(np.copy, flags))
-    assert synced  # after the barrier
+    assert claimed[-1] == "claim"  # after process 0's claim
     return jax.tree.map(np.zeros_like, flags)  # process 0: nothing done
 
   monkeypatch.setattr(jax, "process_index", lambda: 1)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  monkeypatch.setattr(sweep.multihost_utils, "sync_global_devices",
-                      synced.append)
+  monkeypatch.setattr(sweep.distributed, "agree", agree)
   monkeypatch.setattr(sweep.multihost_utils, "broadcast_one_to_all",
                       from_process_0)
   config = _tiny(forms=("designed",), depth=2)
   results = sweep.run(config, workdir, overwrite=True)
-  assert synced == ["elsa-sweep-workdir"]
+  assert claimed == ["validate", "claim"]
   assert len(broadcast) == 1 and broadcast[0]["results"]  # it saw the stale file
   assert {r["depth"] for r in results["records"]} == {1, 2}
   assert sorted(os.listdir(workdir)) == before  # only process 0 writes
