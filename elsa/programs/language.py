@@ -20,9 +20,11 @@ product of factors (blocks, their transposes, constants). Products are
 flattened, so parentheses do not matter: ``X @ (X.T @ r)`` is the term
 ``X X^T r``. :func:`classify` decides which product one ELSA component
 computes (the eight-term expansion of :math:`(hW_3 + B_3)(hW_1 + B_1)^\top
-(hW_2 + B_2)`, BUILD_NOTES.md "Matrix programs") and refuses the rest with a
-message that names the statement and the term and says how to make it
-compilable. Nothing is approximated.
+(hW_2 + B_2)`, BUILD_NOTES.md "Matrix programs"); :func:`plan_term` finds,
+for any other product of blocks, the cheapest helper blocks (partial
+products kept as blocks) that make it one component, and refuses what no
+product of blocks computes with a message that names the statement and the
+term. Nothing is approximated.
 """
 
 from __future__ import annotations
@@ -438,8 +440,8 @@ class Helper:
   helper blocks), transposed if ``stored_transposed``. A helper that reads
   inputs and constants only (``invariant``) is computed once by the set-up
   layer (loop-invariant code motion; a lone transposed input is the
-  transposed-input rewrite); any other is computed by an extra layer of its
-  stage, ``depth`` layers before the stage's own.
+  transposed-input rewrite); any other by layer ``depth`` of the extra
+  layers its stage takes before its own (:mod:`elsa.programs.rewrite`).
   """
   block: Block
   factors: tuple[Factor, ...]
@@ -460,11 +462,6 @@ class TermPlan:
   """How one term is computed: ``term`` (one component) over ``helpers``."""
   term: Term
   helpers: tuple[Helper, ...]
-
-  @property
-  def depth(self) -> int:
-    """Extra layers of its stage the term needs (0: none)."""
-    return max((h.depth for h in self.helpers), default=0)
 
 
 def _factor_key(f: Factor):
