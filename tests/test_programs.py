@@ -405,9 +405,11 @@ def _ridge_blocks():
 
 BUILD_REFUSALS = [
     # (label, statement, error type, message pattern)
-    ("four blocks", lambda p, X, y, w, r: p.loop({w: X.T @ X @ X.T @ r}),
-     ValueError, r"loop 1, w = .*`X\.T @ X @ X\.T @ r`.*multiplies 4 blocks.*"
-     r"Keep a partial product \(e\.g\. `X\.T @ r`\) as its own state"),
+    ("eight blocks",
+     lambda p, X, y, w, r: p.loop({w: X.T @ X @ X.T @ X @ X.T @ X @ X.T @ r}),
+     ValueError, r"loop 1, w = .*`X\.T @ X @ X\.T @ X @ X\.T @ X @ X\.T @ r`.*"
+     r"terms of at most 5 blocks.*Keep a partial product of this term as a "
+     r"state of your own"),
     ("block / block", lambda p, X, y, w, r: w / w, TypeError,
      r"w / w divides by a block.*runtime scalar"),
     ("number / block", lambda p, X, y, w, r: 1 / w, TypeError,
@@ -426,24 +428,6 @@ BUILD_REFUSALS = [
      TypeError, r"w has no truth value.*control flow"),
     ("data-dependent scalar", lambda p, X, y, w, r: w * jnp.float64(2.0),
      TypeError, r"is not a scalar.*not data-dependent"),
-    ("constant between blocks",
-     lambda p, X, y, w, r: p.loop({r: X @ programs.eye(3) @ w}), ValueError,
-     r"loop 1, r = .*a constant stands between two blocks.*own state"),
-    ("constant left of a product",
-     lambda p, X, y, w, r: p.loop({r: programs.eye(5) @ X @ w}), ValueError,
-     r"lands in the rows of its left block.*keep `P @ A` as its own state"),
-    ("three blocks, middle not transposed",
-     lambda p, X, y, w, r: p.loop({w: X.T @ X @ w}), ValueError,
-     r"`X\.T @ X @ w`.*`A @ B\.T @ C`.*symmetric=True"),
-    ("two blocks, both transposed",
-     lambda p, X, y, w, r: (lambda A, B: p.loop({A: A.T @ B.T}))(
-         p.state("A", (3, 3)), p.state("B", (3, 3))), ValueError,
-     r"`A\.T @ B\.T`.*of two blocks one component computes `A @ B` or "
-     r"`B\.T @ C`; declare the transposed block symmetric=True"),
-    ("two blocks, right transposed",
-     lambda p, X, y, w, r: (lambda A, B: p.loop({A: A @ B.T}))(
-         p.state("A", (3, 3)), p.state("B", (3, 3))), ValueError,
-     r"`A @ B\.T`.*of two blocks"),
     ("add shapes", lambda p, X, y, w, r: w + r, ValueError,
      r"cannot add shapes \[3, 1\] and \[5, 1\]"),
     ("matmul shapes", lambda p, X, y, w, r: w @ r, ValueError,
@@ -706,3 +690,211 @@ def test_concrete_non_finite_scalars_are_refused(value):
       call()
   # Traced values pass unchecked (as documented in elsa._validate).
   jax.jit(lambda lam: compiled.params(loops=2, lam=lam, eta=0.1))(value)
+
+
+# --- rewrites: textbook spellings the compiler makes one component per term ---
+
+
+def _textbook(which, rng):
+  """``(prog, blocks, scalars, loops, numpy_final)``: a program in its textbook
+  spelling, its values, and the final value of its main state by plain numpy."""
+  N, d, L = 9, 3, 4
+  x, yv = rng.normal(size=(N, d)), rng.normal(size=(N, 1))
+  P = rng.normal(size=(d, d)) / 2
+  a = rng.normal(size=(d, d)) / 2
+  s0 = rng.normal(size=(d, d)) / 2
+  prog = programs.Program()
+  eta = 0.05
+  if which in ("X.T @ X @ w", "P @ X.T @ X @ w"):
+    X, y = prog.input("X", (N, d)), prog.input("y", (N, 1))
+    w = prog.state("w", (d, 1))
+    Pc = programs.constant(P) if which.startswith("P") else programs.eye(d)
+    prog.loop({w: w - (eta / N) * (Pc @ X.T @ X @ w) + (eta / N) * (
+        Pc @ X.T @ y)})
+    Pn = P if which.startswith("P") else np.eye(d)
+    wn = np.zeros((d, 1))
+    for _ in range(L):
+      wn = wn - eta / N * Pn @ (x.T @ x @ wn - x.T @ yv)
+    return prog, dict(X=x, y=yv), {}, L, ("w", wn)
+  if which == "X.T @ X @ X.T @ r":
+    X = prog.input("X", (N, d))
+    w, r = prog.state("w", (d, 1)), prog.state("r", (N, 1))
+    prog.loop({w: w + (eta / N ** 2) * (X.T @ X @ X.T @ r),
+               r: r - (eta / N) * (X @ w)})
+    wn, rn = np.zeros((d, 1)), yv
+    for _ in range(L):
+      wn, rn = wn + eta / N ** 2 * x.T @ x @ x.T @ rn, rn - eta / N * x @ wn
+    return prog, dict(X=x, r=yv), {}, L, ("w", wn)
+  if which == "init X.T @ X @ X.T @ y":
+    X, y = prog.input("X", (N, d)), prog.input("y", (N, 1))
+    b = prog.state("b", (d, 1), init=(X.T @ X @ X.T @ y) / N ** 2)
+    prog.loop({b: 0.5 * b})
+    return prog, dict(X=x, y=yv), {}, L, (
+        "b", 0.5 ** L * x.T @ x @ x.T @ yv / N ** 2)
+  A = prog.input("A", (d, d))
+  S = prog.state("S", (d, d))
+  c = prog.scalar("c")
+  if which == "S @ A @ S":
+    prog.loop({S: 0.5 * S + c * (S @ A @ S)})
+    step = lambda s: 0.5 * s + 0.1 * s @ a @ s
+  elif which == "S @ A.T":
+    prog.loop({S: 0.5 * S + c * (S @ A.T)})
+    step = lambda s: 0.5 * s + 0.1 * s @ a.T
+  else:  # "S @ S @ S"
+    prog.loop({S: 0.5 * S + c * (S @ S @ S)})
+    step = lambda s: 0.5 * s + 0.1 * s @ s @ s
+  sn = s0
+  for _ in range(L):
+    sn = step(sn)
+  return prog, dict(A=a, S=s0), dict(c=0.1), L, ("S", sn)
+
+
+TEXTBOOK = {  # spelling -> (rewrite kinds, layers per iteration)
+    "X.T @ X @ w": ({"hoisted loop-invariant product"}, [1]),
+    "P @ X.T @ X @ w": ({"hoisted loop-invariant product"}, [1]),
+    "X.T @ X @ X.T @ r": ({"hoisted loop-invariant product"}, [1]),
+    "init X.T @ X @ X.T @ y": ({"split"}, [1]),
+    "S @ A @ S": ({"hoisted transposed input"}, [1]),
+    "S @ A.T": ({"hoisted transposed input"}, [1]),
+    "S @ S @ S": ({"split"}, [2]),
+}
+
+
+@pytest.mark.parametrize("which", list(TEXTBOOK))
+def test_textbook_spellings_compile_and_equal_run_and_numpy(which):
+  prog, blocks, scalars, L, (name, final) = _textbook(
+      which, np.random.default_rng(len(which)))
+  compiled = programs.compile(prog)
+  kinds, per_iteration = TEXTBOOK[which]
+  assert {r.split(":")[0] for r in compiled.rewrites} == kinds, (
+      compiled.rewrites)
+  assert compiled.layers_per_iteration == per_iteration
+  for line in compiled.rewrites:
+    assert f"  {line}" in str(compiled) and "(+" in line  # its layer cost
+  hs = elsa.elsa_stack(compiled.params(loops=L, **scalars),
+                       compiled.encode(**blocks), return_all=True)
+  assert hs.shape[0] == compiled.layers(L) + 1
+  ref = programs.run(prog, loops=L, **blocks, **scalars)
+  assert_every_layer(compiled, hs, ref, F64_RTOL)
+  assert rel(compiled.read(hs, name)[-1], final) < F64_RTOL
+
+
+def test_a_split_loop_runs_its_layers_per_iteration_with_that_iteration_scalars():
+  """``S @ S @ S`` takes two layers per iteration; a schedule gives both
+  layers of iteration t the scalar of t, and run repeats the old value in
+  the first."""
+  prog, blocks, _, _, _ = _textbook("S @ S @ S", np.random.default_rng(3))
+  compiled = programs.compile(prog)
+  L = 5
+  cs = np.linspace(0.2, -0.1, L)
+  hs = elsa.elsa_stack(compiled.params(loops=L, c=cs),
+                       compiled.encode(**blocks), return_all=True)
+  assert hs.shape[0] == 2 * L + 1
+  ref = programs.run(prog, loops=L, **blocks, c=cs)
+  assert_every_layer(compiled, hs, ref, F64_RTOL)
+  np.testing.assert_array_equal(ref["S"][1], ref["S"][0])  # layer 1: A @ A
+  s = blocks["S"]
+  for t in range(L):
+    s = 0.5 * s + cs[t] * s @ s @ s
+    assert rel(ref["S"][2 * t + 2], s) < F64_RTOL
+
+
+# Sizes of programs that need no rewrite, as compiled before rewrites existed
+# (BUILD_NOTES.md, "Matrix programs"): N = 20, d = 5, Q = 3.
+UNREWRITTEN_SIZES = {"ridge_gd": (28, 14, 3, 1), "newton_schulz": (28, 23, 3, 2)}
+
+
+@pytest.mark.parametrize("name", list(UNREWRITTEN_SIZES))
+def test_programs_that_need_no_rewrite_compile_as_before(name):
+  from elsa import algorithms
+  compiled = programs.compile(getattr(algorithms, name)(n_train=20, d=5,
+                                                        n_query=3))
+  assert compiled.rewrites == ()
+  assert "rewrites" not in str(compiled)
+  assert (compiled.m, compiled.n, compiled.width,
+          compiled.setup_layers) == UNREWRITTEN_SIZES[name]
+
+
+@st.composite
+def programs_needing_rewrites(draw):
+  """Square ``3 x 3`` blocks, terms of 2 to 4 factors drawn from general
+  inputs, states, their transposes and constants: terms that need hoisting,
+  a transposed input or a split, and terms that need none. Returns ``(prog,
+  blocks, loops, needs)``, ``needs`` whether some term is not one component
+  as written."""
+  rng = np.random.default_rng(draw(st.integers(0, 2 ** 31 - 1)))
+  prog = programs.Program()
+  inputs = [prog.input(f"U{i}", (3, 3)) for i in range(2)]
+  states = [prog.state(f"S{i}", (3, 3)) for i in range(2)]
+  const = lambda: programs.constant(rng.normal(size=(3, 3)) / 3)
+  pool = inputs + states
+
+  def factor():
+    kind = draw(st.integers(0, 4))
+    if kind == 4:
+      return const()
+    f = pool[draw(st.integers(0, len(pool) - 1))]
+    return f.T if draw(st.booleans()) else f
+
+  def product(n):
+    out = factor()
+    for _ in range(n - 1):
+      out = out @ factor()
+    return out
+
+  needs = False
+
+  def term(n):
+    nonlocal needs
+    t = product(n)
+    for one in t.terms:
+      try:
+        programs.language.classify(one, "")
+      except ValueError:
+        needs = True
+    return t
+
+  if draw(st.booleans()):  # an init of four inputs: the init layer splits
+    u = inputs
+    init = u[0].T @ u[1] @ u[0] @ u[1].T
+    needs = True
+    states.append(prog.state("S2", (3, 3), init=init))
+  body = {}
+  for target in states:
+    expr = 0.5 * target
+    for _ in range(draw(st.integers(1, 2))):
+      expr = expr + draw(st.sampled_from([0.3, -0.2])) * term(
+          draw(st.integers(2, 4)))
+    body[target] = expr
+  prog.loop(body)
+  if draw(st.booleans()):
+    prog.layer({states[0]: 0.5 * states[1] + 0.2 * term(4)})
+  blocks = {b.block.name: rng.normal(size=(3, 3)) / 3
+            for b in inputs + states[:2]}
+  return prog, blocks, draw(st.integers(2, 4)), needs
+
+
+@settings(max_examples=8)
+@given(programs_needing_rewrites())
+def test_programs_needing_rewrites_compile_to_their_interpreter(case):
+  prog, blocks, loops, needs = case
+  compiled = programs.compile(prog)
+  assert bool(compiled.rewrites) == needs
+  hs = elsa.elsa_stack(compiled.params(loops=loops), compiled.encode(**blocks),
+                       return_all=True)
+  ref = programs.run(prog, loops=loops, **blocks)
+  for name, want in ref.items():
+    assert np.isfinite(want).all() and np.abs(want).max() < 1e6, name
+  assert_every_layer(compiled, hs, ref, F64_RTOL)
+
+
+@settings(max_examples=10)
+@given(random_programs())
+def test_programs_needing_no_rewrite_keep_their_layers(case):
+  """Every term one component: no rewrite, one stack layer per layer of the
+  program (and the relocation, if any)."""
+  prog, _, _, loops = case
+  compiled = programs.compile(prog)
+  assert compiled.rewrites == () and compiled.layers_per_iteration == [1]
+  once = len(prog.stages) - 1 + (prog.init_stage() is not None)
+  assert compiled.layers(loops) == once + loops + compiled.relocation_layers

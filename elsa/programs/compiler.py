@@ -11,6 +11,7 @@ kinds of every layer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ import numpy as np
 
 from elsa import _validate, constructions
 from elsa.attention import Array, ElsaParams, float_dtype
-from elsa.programs import codegen, layout as layout_lib
+from elsa.programs import codegen, layout as layout_lib, rewrite
 from elsa.programs.language import Program
 
 
@@ -126,6 +127,17 @@ def _dtype(dtype, arrays, fn: str):
   return dtype
 
 
+def _solve(prog: Program):
+  """``prog`` rewritten, laid out and planned: ``(plan, layout, steps, stages,
+  units)``, ``stages`` one per distinct layer in stack order and ``units``
+  the program's stages as layers of the stack (the relocation first)."""
+  plan = rewrite.plan(prog)
+  layout, steps, stages = layout_lib.solve(plan.program, plan.stages)
+  units = ((rewrite.Unit(None, 1, False),) * layout.relocation_layers
+           + plan.units)
+  return plan, layout, steps, stages, units
+
+
 def _no_layers(stages, loops: int, fn: str) -> None:
   """``ValueError`` if ``loops`` iterations leave the program without a layer
   (``params`` and ``run`` refuse alike)."""
@@ -144,14 +156,15 @@ class Compiled:
       ``prog.layer`` stages added before the first loop).
     relocation_layers: 1 if pinned inputs are moved in a layer of their own.
     components: the component kinds of each distinct layer, ``[[str]]``.
+    rewrites, layers_per_iteration: what the compiler rewrote (below).
   """
 
   def __init__(self, prog: Program):
     # A snapshot: blocks or layers declared on ``prog`` later belong to the
     # next compile, not to this stack.
     self.program = prog.snapshot()
-    prog = self.program
-    self._layout, self._steps, self._stages = layout_lib.solve(prog)
+    (self._plan, self._layout, self._steps, self._stages,
+     self._units) = _solve(self.program)
     self.m, self.n = self._layout.m, self._layout.n
     self._parts = [codegen.components(s, self._layout) for s in self._steps]
     self.components = [[c.kind for c in parts] for parts in self._parts]
@@ -169,8 +182,22 @@ class Compiled:
     """Components per layer ``C`` of the stack (the widest layer)."""
     return max(len(parts) for parts in self._parts)
 
+  @property
+  def rewrites(self) -> tuple[str, ...]:
+    """What the compiler rewrote to make every term one component, one line
+    each with the layers it costs (:mod:`elsa.programs.rewrite`)."""
+    return self._plan.notes
+
+  @property
+  def layers_per_iteration(self) -> list[int]:
+    """Layers each ``prog.loop`` takes per iteration (1 unless split)."""
+    return [u.layers for u in self._units if u.repeat]
+
   def __str__(self) -> str:
-    return layout_lib.table(self._layout, self.program)
+    table = layout_lib.table(self._layout, self._plan.program)
+    if not self.rewrites:
+      return table
+    return "\n".join([table, "rewrites:"] + [f"  {r}" for r in self.rewrites])
 
   def __repr__(self) -> str:
     return (f"Compiled(m={self.m}, n={self.n}, C={self.width}, "
@@ -272,15 +299,25 @@ class Compiled:
     values = _runtime_scalars(self.program, self._stages, scalars, loops, dtype,
                               fn)
     m, n = self.m, self.n
-    parts = []
-    for stage, components in zip(self._stages, self._parts):
-      build = lambda v, c=components: codegen.layer_params(c, v, m=m, n=n,
-                                                           dtype=dtype)
-      if not stage.repeat:
-        parts.append(build({k: v for k, v in values.items() if v.ndim == 0}))
+    once = {k: v for k, v in values.items() if v.ndim == 0}
+    per_loop = {k: jnp.broadcast_to(v, (loops,)) for k, v in values.items()}
+    parts, first = [], 0
+    for unit in self._units:
+      builds = [functools.partial(codegen.layer_params, c, m=m, n=n,
+                                  dtype=dtype)
+                for c in self._parts[first:first + unit.layers]]
+      first += unit.layers
+      if not unit.repeat:
+        parts += [build(once) for build in builds]
       elif loops:
-        per_loop = {k: jnp.broadcast_to(v, (loops,)) for k, v in values.items()}
-        parts.append(jax.vmap(build, axis_size=loops)(per_loop))
+        # Layer j of iteration t at row t * k + j: the layers of one
+        # iteration run together, each at that iteration's scalars.
+        layers = constructions.stack(*(
+            jax.vmap(build, axis_size=loops)(per_loop) for build in builds))
+        k = unit.layers
+        parts.append(jax.tree.map(
+            lambda a, k=k: jnp.swapaxes(a.reshape(k, loops, *a.shape[1:]),
+                                        0, 1).reshape(a.shape), layers))
     return constructions.stack(*parts)
 
 

@@ -6,9 +6,11 @@ old values (assignments are simultaneous); loops run under ``lax.scan``. The
 compiled stack is trusted through one comparison: ``compiled.read(hs, name)``
 equals ``run(...)[name]`` at every layer.
 
-The only thing ``run`` takes from the compiler is how many layers the stack
-spends before the program's first one (a relocation layer that moves pinned
-inputs apart changes no value), so that both count layers alike.
+The only thing ``run`` takes from the compiler is how many layers of the
+stack each stage of the program takes (a relocation layer that moves pinned
+inputs apart, or a set-up layer of hoisted products, changes no block of the
+program; a stage split over k layers changes them in its last), so that both
+count layers alike.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from elsa.attention import Array
-from elsa.programs import layout as layout_lib
 from elsa.programs.compiler import (Schedule, _check_values, _dtype,
-                                    _no_layers, _runtime_scalars)
+                                    _no_layers, _runtime_scalars, _solve)
 from elsa.programs.language import Program, Stage
 
 _EXACT = jax.lax.Precision.HIGHEST
@@ -69,7 +70,7 @@ def run(prog: Program, *, loops: int, dtype=None, **kwargs) -> dict[str, Array]:
   if isinstance(loops, bool) or not isinstance(loops, (int, np.integer)) or (
       loops < 0):
     raise ValueError(f"{fn}: loops must be an int >= 0, got {loops!r}.")
-  _, _, stages = layout_lib.solve(prog)
+  *_, stages, units = _solve(prog)
   _no_layers(stages, loops, fn)
   scalars = {k: v for k, v in kwargs.items() if k in prog.scalars}
   blocks = {k: v for k, v in kwargs.items() if k not in prog.scalars}
@@ -103,26 +104,36 @@ def run(prog: Program, *, loops: int, dtype=None, **kwargs) -> dict[str, Array]:
                                                         dtype))
             for b in prog.blocks.values()}
 
-  # Each stage appends a [layers, ...] chunk per block: one value for a
-  # layer applied once, the scan's stacked states for a loop; one concatenate
-  # at the end keeps the cost linear in ``loops``.
+  # Each unit appends a [layers, ...] chunk per block: one value per layer
+  # applied once, the scan's stacked states for a loop; one concatenate at
+  # the end keeps the cost linear in ``loops``. A stage the compiler spread
+  # over k layers changes the program's blocks in its last one: the first
+  # k - 1 repeat the old values.
   chunks = [{k: v[None] for k, v in values.items()}]
   current = values
   once = {k: v for k, v in scalars.items() if v.ndim == 0}
-  for stage in stages:
-    if not stage.repeat:
-      current = _apply(stage, current, once, dtype)
-      chunks.append({k: v[None] for k, v in current.items()})
+
+  def layers(unit, old, new):
+    return {k: jnp.concatenate([jnp.broadcast_to(
+        old[k], (unit.layers - 1, *old[k].shape)), new[k][None]])
+            for k in new}
+
+  for unit in units:
+    if not unit.repeat:
+      new = current if unit.source is None else _apply(unit.source, current,
+                                                       once, dtype)
+      chunks.append(layers(unit, current, new))
+      current = new
       continue
     if not loops:
       continue
     per_loop = {k: jnp.broadcast_to(v, (loops,)) for k, v in scalars.items()}
 
-    def body(state, scalar_t, stage=stage):
-      new = _apply(stage, state, scalar_t, dtype)
-      return new, new
+    def body(state, scalar_t, unit=unit):
+      new = _apply(unit.source, state, scalar_t, dtype)
+      return new, layers(unit, state, new)
 
     current, states = jax.lax.scan(body, current, per_loop, length=loops)
-    chunks.append(states)
+    chunks.append({k: v.reshape(-1, *v.shape[2:]) for k, v in states.items()})
   return {name: jnp.concatenate([c[name] for c in chunks])
           for name in prog.blocks}

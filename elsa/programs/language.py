@@ -20,9 +20,11 @@ product of factors (blocks, their transposes, constants). Products are
 flattened, so parentheses do not matter: ``X @ (X.T @ r)`` is the term
 ``X X^T r``. :func:`classify` decides which product one ELSA component
 computes (the eight-term expansion of :math:`(hW_3 + B_3)(hW_1 + B_1)^\top
-(hW_2 + B_2)`, BUILD_NOTES.md "Matrix programs") and refuses the rest with a
-message that names the statement and the term and says how to make it
-compilable. Nothing is approximated.
+(hW_2 + B_2)`, BUILD_NOTES.md "Matrix programs"); :func:`plan_term` finds,
+for any other product of blocks, the cheapest helper blocks (partial
+products kept as blocks) that make it one component, and refuses what no
+product of blocks computes with a message that names the statement and the
+term. Nothing is approximated.
 """
 
 from __future__ import annotations
@@ -422,15 +424,231 @@ def classify(term: Term, where: str) -> Classified:
          "as its own state (`P @ A.T @ Q` is one component).")
 
 
+# --- terms one component cannot compute: helper blocks ---------------------------
+
+# The most helper blocks one term may use, and the most block factors a term
+# may have for the compiler to look for them; beyond, the term is refused.
+MAX_HELPERS = 4
+MAX_FACTORS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Helper:
+  """A product kept as a block of its own, so that a term becomes one component.
+
+  ``block`` holds ``factors`` multiplied (``factors`` reads blocks and
+  helper blocks), transposed if ``stored_transposed``. A helper that reads
+  inputs and constants only (``invariant``) is computed once by the set-up
+  layer (loop-invariant code motion; a lone transposed input is the
+  transposed-input rewrite); any other by layer ``depth`` of the extra
+  layers its stage takes before its own (:mod:`elsa.programs.rewrite`).
+  """
+  block: Block
+  factors: tuple[Factor, ...]
+  stored_transposed: bool
+  invariant: bool
+  depth: int
+
+  def definition(self) -> Term:
+    """The term that computes the helper's block (one component)."""
+    factors = self.factors
+    if self.stored_transposed:
+      factors = tuple(f.T() for f in reversed(factors))
+    return Term(Scalar.of(1), factors)
+
+
+@dataclasses.dataclass(frozen=True)
+class TermPlan:
+  """How one term is computed: ``term`` (one component) over ``helpers``."""
+  term: Term
+  helpers: tuple[Helper, ...]
+
+
+def _factor_key(f: Factor):
+  if f.block is None:
+    return ("const", f.const.shape, f.const.tobytes())
+  return (f.block.name, f.transposed)
+
+
+def _is_symmetric(factors) -> bool:
+  """Whether the product reads the same transposed (``X.T @ X``, ``A @ M @ A.T``
+  with ``M`` symmetric)."""
+  flipped = [f.T() for f in reversed(factors)]
+  same = lambda a, b: (_factor_key(a) == _factor_key(b) or (
+      a.block is not None and a.block is b.block and a.block.symmetric))
+  return all(same(a, b) for a, b in zip(factors, flipped))
+
+
+class HelperBlocks:
+  """The helper blocks of one program, one per distinct product (by name)."""
+
+  def __init__(self):
+    self.blocks: dict[str, Block] = {}
+    self.constants: dict = {}  # constants print by shape: numbered apart
+
+  def get(self, factors, stored_transposed: bool) -> Block:
+    held = [f.T() for f in reversed(factors)] if stored_transposed else factors
+
+    def text(f):
+      if f.block is not None:
+        return f.text()
+      number = self.constants.setdefault(_factor_key(f),
+                                         len(self.constants) + 1)
+      return f"const{number}{list(f.const.shape)}"
+
+    name = f"({' @ '.join(text(f) for f in held)})"
+    if name not in self.blocks:
+      shape = (held[0].shape[0], held[-1].shape[1])
+      self.blocks[name] = Block(name, shape, "state",
+                                symmetric=_is_symmetric(list(held)))
+    return self.blocks[name]
+
+
+def _classifies(factors) -> bool:
+  """Whether :func:`classify` accepts the product (its rules, without the
+  messages)."""
+  factors = list(factors)
+  left = 0
+  while left < len(factors) and factors[left].block is None:
+    left += 1
+  right = len(factors)
+  while right > left and factors[right - 1].block is None:
+    right -= 1
+  blocks = factors[left:right]
+  if any(f.block is None for f in blocks) or len(blocks) > 3:
+    return False
+  for orientation in _orientations([(f.block, f.transposed) for f in blocks]):
+    kind = _PATTERNS.get(tuple(t for _, t in orientation))
+    if kind is not None and not (kind in ("product2", "product3") and left):
+      return True
+  return not blocks
+
+
+def plan_term(term: Term, where: str, helpers: HelperBlocks, *,
+              hoist: bool) -> TermPlan:
+  """The cheapest way to compute ``term`` with helper blocks, or an error.
+
+  A term one component computes needs none. Otherwise contiguous runs of its
+  factors are replaced by helper blocks (each one component, stored as the
+  product or its transpose), at most :data:`MAX_HELPERS`; the cheapest plan
+  has the fewest extra layers per stage, then the fewest helpers, then the
+  smallest. With ``hoist``, runs of inputs and constants are invariant
+  helpers (set-up layer); without it (the ``init`` stage) every helper is an
+  extra layer.
+
+  Raises:
+    ValueError: no plan within :data:`MAX_HELPERS` helpers.
+  """
+  factors = tuple(term.factors)
+  if _classifies(factors):
+    return TermPlan(term, ())
+  depth_of = {}  # helper block name -> Helper
+  classified = {}
+
+  def classifies(items) -> bool:
+    key = tuple(_factor_key(f) for f in items)
+    if key not in classified:
+      classified[key] = _classifies(items)
+    return classified[key]
+
+  def fixed(f: Factor) -> bool:
+    # Hoisted helpers read inputs and constants only: all of them are
+    # computed by one set-up layer.
+    return f.block is None or (hoist and f.block.kind == "input")
+
+  def size(hs):
+    return sum(h.block.shape[0] * h.block.shape[1] for h in hs)
+
+  def cost(hs):
+    return (max((h.depth for h in hs), default=0), len(hs), size(hs))
+
+  best = None
+  reached = {}  # items -> the cheapest helpers that reached them
+
+  def search(items, hs):
+    nonlocal best
+    if best is not None and cost(hs) >= cost(best[1]):
+      return
+    key = tuple(_factor_key(f) for f in items)
+    if key in reached and cost(reached[key]) <= cost(hs):
+      return
+    reached[key] = hs
+    if classifies(items):
+      best = (items, hs)
+      return
+    if len(hs) == limit:
+      return
+    for i in range(len(items)):
+      for j in range(i + 1, len(items) + 1):
+        run = items[i:j]
+        blocks = [f for f in run if f.block is not None]
+        if (not blocks or len(blocks) > 3
+            or (j - i == len(items) and len(items) > 1)):
+          continue
+        for stored_transposed in (False, True):
+          if len(run) == 1 and stored_transposed == run[0].transposed:
+            continue  # a lone block helps only read the other way round
+          if not classifies(run if not stored_transposed else
+                            tuple(f.T() for f in reversed(run))):
+            continue
+          block = helpers.get(run, stored_transposed)
+          if stored_transposed and block.symmetric:
+            continue
+          invariant = all(fixed(f) for f in run)
+          inner = [depth_of[f.block.name].depth for f in run
+                   if f.block is not None and f.block.name in depth_of]
+          helper = Helper(block, run, stored_transposed, invariant,
+                          0 if invariant else 1 + max(inner, default=0))
+          depth_of[block.name] = helper
+          new = items[:i] + (Factor(block=block,
+                                    transposed=stored_transposed),) + items[j:]
+          search(new, hs + (helper,))
+
+  # Iterative deepening on the number of helpers: the first plan found is
+  # nearly the cheapest; one more helper is tried only to save a layer.
+  if sum(f.block is not None for f in factors) <= MAX_FACTORS:
+    for limit in range(1, MAX_HELPERS + 1):
+      found = best
+      reached.clear()
+      search(factors, ())
+      if best is not None and (found is not None or cost(best[1])[0] == 0):
+        break
+  if best is None:
+    raise ValueError(
+        f"programs: in {where}: the term `{term.text()}` cannot be compiled: "
+        f"one ELSA component multiplies at most three blocks "
+        f"(`A @ B.T @ C`), and the compiler keeps partial products as "
+        f"blocks of their own only for terms of at most {MAX_FACTORS} blocks, "
+        f"at most {MAX_HELPERS} of them. Keep a partial product of this term "
+        "as a state of your own, updated by a layer before this one.")
+  items, hs = best
+  # Keep only helpers the final term or another kept helper reads.
+  needed, todo = {}, [f.block.name for f in items if f.block is not None]
+  by_name = {h.block.name: h for h in hs}
+  while todo:
+    name = todo.pop()
+    if name in by_name and name not in needed:
+      needed[name] = by_name[name]
+      todo += [f.block.name for f in by_name[name].factors
+               if f.block is not None]
+  return TermPlan(Term(term.coef, items),
+                  tuple(h for h in hs if h.block.name in needed))
+
+
 # --- programs -----------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-  """A layer applied once (``repeat=False``) or the body of a loop."""
+  """A layer applied once (``repeat=False``) or the body of a loop.
+
+  ``part = (j, k)``: layer ``j`` of the ``k`` that a rewritten stage takes
+  (:mod:`elsa.programs.rewrite`); ``(1, 1)`` for a stage as written.
+  """
   assignments: tuple[tuple[Block, Expr], ...]
   repeat: bool
   label: str
+  part: tuple[int, int] = (1, 1)
 
 
 # Keyword arguments of Compiled.encode/params and programs.run, beside which
@@ -530,7 +748,7 @@ class Program:
           raise ValueError(f"programs: {where} reads the state "
                            f"{f.block.name}; an init reads inputs and scalars "
                            "only (assign states in prog.layer).")
-      classify(term, where)
+      plan_term(term, where, HelperBlocks(), hoist=not inputs_only)
 
   @staticmethod
   def _check_symmetric(name, shape, symmetric):

@@ -89,11 +89,6 @@ def _stage_terms(stage: Stage) -> list[tuple[Block, Classified]]:
           for block, expr in stage.assignments for term in expr.terms]
 
 
-def _stages(prog: Program) -> list[Stage]:
-  init = prog.init_stage()
-  return ([init] if init else []) + list(prog.stages)
-
-
 class _Groups:
   """Union-find over block names, remembering why two blocks were joined."""
 
@@ -256,8 +251,11 @@ def violations(c: Classified, where: dict, owners: np.ndarray) -> list[str]:
 # --- solving ------------------------------------------------------------------
 
 
-def solve(prog: Program) -> tuple[Layout, list[Step], list[Stage]]:
-  """Places every block and plans the layers of ``prog``.
+def solve(prog: Program, stages) -> tuple[Layout, list[Step], list[Stage]]:
+  """Places every block of ``prog`` and plans its layers ``stages``.
+
+  ``stages``: one per layer (a loop body once), every term one component
+  (:func:`elsa.programs.rewrite.plan` makes them so).
 
   Returns:
     the :class:`Layout`, one :class:`Step` per distinct layer (a loop body is
@@ -269,7 +267,7 @@ def solve(prog: Program) -> tuple[Layout, list[Step], list[Stage]]:
   """
   if not prog.states:
     raise ValueError("programs: the program declares no state.")
-  stages = _stages(prog)
+  stages = list(stages)
   if not stages:
     raise ValueError("programs: the program has no layer; add prog.layer or "
                      "prog.loop.")
