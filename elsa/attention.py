@@ -264,10 +264,10 @@ def lsa(p: ElsaParams, h: Array, *, key_mask=None, precision=None
 
 
 # Stacks of at most this many layers are unrolled (elsa_stack and
-# elsa.nn.residual_stack): XLA:CPU ran the rolled loop of a training step,
+# elsa.nn.residual_stack): XLA:CPU runs the rolled loop of a training step,
 # which writes each layer's saved values into the loop's stacked buffers and
-# reads them back, 1.1-1.3x slower at L = 3 and 4 (BUILD_NOTES, "Speed");
-# deeper stacks stay rolled, so compile time stays flat in L.
+# reads them back, slower (BUILD_NOTES, "Speed"); deeper stacks stay rolled,
+# so compile time stays flat in L.
 UNROLLED_DEPTH = 4
 
 # Per-item K^T V at most this many multiply-adds (m k v) keeps tokens before
@@ -283,11 +283,10 @@ def _small_token_contraction(keys: Array, values: Array, precision,
 
   ``layout``: ``"dot"`` (a batched dot over items and components) or
   ``"multiply_sum"`` (elementwise products summed over tokens, in the dtype of
-  the inputs). ``None`` is the dot, in every dtype: in float64 XLA:CPU runs it
-  about 2x faster than the multiply-and-sum, in float32 as fast forward and
-  its gradient about 2x faster (BUILD_NOTES, "Speed"); for float32-exact
-  products on TPU and GPU pass ``precision="highest"``, as for every matmul
-  here.
+  the inputs). ``None`` is the dot, in every dtype: XLA:CPU runs it faster
+  than the multiply-and-sum in float64, as fast forward in float32, and its
+  gradient faster (BUILD_NOTES, "Speed"); for float32-exact products on TPU
+  and GPU pass ``precision="highest"``, as for every matmul here.
   """
   if layout is None or layout == "dot":
     return jnp.einsum("...mck,...mcv->...ckv", keys, values,

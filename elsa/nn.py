@@ -339,9 +339,9 @@ def _residual_update(weights, biases, h: Array, key_mask, precision) -> Array:
 
   Tokens before components, ``[..., m, C, k]``: a projection is then one
   ``[items * m, n] @ [n, C k]`` dot whose output needs no transpose, and
-  every product is one dot over all items (no vmap over components). XLA:CPU
-  ran this layout of a training step 1.1-1.2x faster than components before
-  tokens (BUILD_NOTES, "Speed").
+  every product is one dot over all items (no vmap over components); with
+  components before tokens XLA:CPU transposed every projection (BUILD_NOTES,
+  "Speed").
   """
   ein = functools.partial(jnp.einsum, precision=precision)
   def project(w, b):
