@@ -292,6 +292,13 @@ def lsa(p: ElsaParams, h: Array, *, key_mask=None, precision=None
                  precision)
 
 
+# Stacks of at most this many layers are unrolled (elsa_stack and
+# elsa.nn.residual_stack): XLA:CPU runs the rolled loop of a training step,
+# which writes each layer's saved values into the loop's stacked buffers and
+# reads them back, slower (BUILD_NOTES, "Speed"); deeper stacks stay rolled,
+# so compile time stays flat in L.
+UNROLLED_DEPTH = 4
+
 # Per-item K^T V at most this many multiply-adds (m k v) keeps tokens before
 # components and is contracted per item (_small_token_contraction); above it,
 # one dot per component (BUILD_NOTES, "The sweep kernel").
@@ -303,19 +310,14 @@ def _small_token_contraction(keys: Array, values: Array, precision,
   """``S = K^T V`` per item and component: ``[..., C, k, v]`` from
   ``keys [..., m, C, k]`` and ``values [..., m, C, v]``.
 
-  ``layout``: ``"multiply_sum"`` (elementwise products summed over tokens, in
-  the dtype of the inputs: exact at any matmul precision) or ``"dot"`` (a
-  batched dot over items and components). ``None`` picks by dtype: ``dot``
-  for float64, whose dots are exact at every precision and which XLA:CPU runs
-  about 2x faster than the float64 multiply-and-sum; ``multiply_sum``
-  otherwise, faster in float32 on CPU and exact where a float32 dot might
-  run in bf16/TF32 (``python -m experiments.benchmark
-  --config=experiments/configs/benchmark.py:ab``, part
-  ``small_contraction_ab``).
+  ``layout``: ``"dot"`` (a batched dot over items and components) or
+  ``"multiply_sum"`` (elementwise products summed over tokens, in the dtype of
+  the inputs). ``None`` is the dot, in every dtype: XLA:CPU runs it faster
+  than the multiply-and-sum in float64, as fast forward in float32, and its
+  gradient faster (BUILD_NOTES, "Speed"); for float32-exact products on TPU
+  and GPU pass ``precision="highest"``, as for every matmul here.
   """
-  if layout is None:
-    layout = "dot" if jnp.result_type(keys) == jnp.float64 else "multiply_sum"
-  if layout == "dot":
+  if layout is None or layout == "dot":
     return jnp.einsum("...mck,...mcv->...ckv", keys, values,
                       precision=precision)
   if layout != "multiply_sum":
@@ -324,7 +326,7 @@ def _small_token_contraction(keys: Array, values: Array, precision,
 
 
 def _layer(p: ElsaParams, h: Array, precision, coeffs=None,
-           small_layout: str | None = None, key_mask=None) -> Array:
+           key_mask=None) -> Array:
   """``sum_c elsa(p_c, h) diag(a_c)`` as ``h (sum_c W3_c S_c) + sum_c B3_c S_c``,
   ``S_c = K_c^T V_c diag(a_c)``; ``a_c = 1`` when ``coeffs`` is ``None``.
 
@@ -337,9 +339,9 @@ def _layer(p: ElsaParams, h: Array, precision, coeffs=None,
 
   Two layouts of the same sums: small items (``m k v`` up to
   ``_SMALL_CONTRACTION``) keep tokens before components, ``[..., m, C, k]``,
-  and contract tokens per item (:func:`_small_token_contraction`, whose
-  ``layout`` is ``small_layout``); large ones put components first, ``[C,
-  ..., m, k]``, so that ``K^T V`` is one dot per component.
+  and contract tokens per item (:func:`_small_token_contraction`); large
+  ones put components first, ``[C, ..., m, k]``, so that ``K^T V`` is one
+  dot per component.
   """
   ein = functools.partial(jnp.einsum, precision=precision)
   m, k, v = jnp.shape(h)[-2], p.w1.shape[-1], p.w2.shape[-1]
@@ -349,7 +351,7 @@ def _layer(p: ElsaParams, h: Array, precision, coeffs=None,
     if key_mask is not None:
       keys = keys * key_mask[..., None, None]
     values = ein("...mn,cnv->...mcv", h, p.w2) + jnp.moveaxis(p.b2, 0, 1)
-    s = _small_token_contraction(keys, values, precision, small_layout)
+    s = _small_token_contraction(keys, values, precision)
   else:
     # Biases [C, m, .] line up with [C, ..., m, .] as [C, 1.., m, .].
     per_component = lambda b: b.reshape(b.shape[:1] + (1,) * (jnp.ndim(h) - 2)
@@ -455,7 +457,8 @@ def elsa_layer(p: ElsaParams, h: Array, *, coeffs=None, key_mask=None,
 
 def elsa_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
                coeffs=None, key_mask=None, precision=None) -> Array:
-  """``L`` ELSA layers applied in order by ``lax.scan`` (compile time flat in ``L``).
+  """``L`` ELSA layers applied in order by ``lax.scan`` (compile time flat in ``L``;
+  unrolled up to ``UNROLLED_DEPTH = 4`` layers).
 
   Args:
     p: leaves with leading axes ``[L, C, ...]`` and ``v == n``.
@@ -495,7 +498,8 @@ def elsa_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
                  key_mask=key_mask)
     return new, (new if return_all else None)
 
-  last, states = jax.lax.scan(step, h, (p, coeffs))
+  last, states = jax.lax.scan(step, h, (p, coeffs),
+                              unroll=p.w1.shape[0] <= UNROLLED_DEPTH)
   if not return_all:
     return last
   return jnp.concatenate([h[None], states], axis=0)

@@ -45,14 +45,15 @@ shapes or dtypes fail at construction with that function's message.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+import functools
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elsa.attention import (Array, ElsaParams, elsa, elsa_layer, elsa_stack,
-                            float_dtype, lsa)
+from elsa.attention import (UNROLLED_DEPTH, Array, ElsaParams, elsa,
+                            elsa_layer, elsa_stack, float_dtype, lsa)
 
 _BIASES = ("b1", "b2", "b3")
 
@@ -236,7 +237,9 @@ class ElsaStack(_ElsaBlock):
     self.depth = depth
 
   def _pure(self):
-    return residual_stack if self.residual else elsa_stack
+    if self.residual:
+      return functools.partial(residual_stack, use_bias=self.use_bias)
+    return elsa_stack
 
   @classmethod
   def random(cls, rngs: nnx.Rngs, *, m: int, n: int, k: int, components: int,
@@ -270,14 +273,16 @@ class ElsaStack(_ElsaBlock):
 
 
 def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
-                   key_mask=None, precision=None) -> Array:
+                   key_mask=None, precision=None, use_bias: bool = True
+                   ) -> Array:
   r"""``L`` ELSA layers with a residual stream: :math:`h_t = h_{t-1} + \sum_c \mathrm{elsa}(p_{t,c}, h_{t-1})`.
 
   The LSA of von Oswald et al. (2023) and Ahn et al. (2023) when the biases
   are zero: there the skip is part of the architecture, while
   :func:`elsa.elsa_stack` has none and ELSA builds it from a bias (a skip
   component, :func:`elsa.constructions.identity`). Layers run by
-  ``lax.scan`` (compile time flat in ``L``).
+  ``lax.scan``, unrolled up to ``elsa.attention.UNROLLED_DEPTH = 4`` layers
+  (compile time flat in ``L``).
 
   Args:
     p: leaves ``[L, C, ...]`` with ``v == n``, as for :func:`elsa.elsa_stack`.
@@ -287,6 +292,9 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
       sums (:func:`elsa.elsa`); the query tokens left out, this is the LSA of
       von Oswald et al. (their ``include_query=False``).
     precision: passed to every matmul.
+    use_bias: if false, the biases are neither used nor checked (any shape),
+      as for :func:`elsa.lsa`: the stack of ``lsa`` layers, computed without
+      adding or multiplying zeros.
 
   Returns:
     ``[..., m, n]``, or ``[L + 1, ..., m, n]`` with ``return_all``.
@@ -295,28 +303,55 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
     ValueError, TypeError: as :func:`elsa.elsa_stack` (its checks, run here).
   """
   abstract = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+  if not use_bias:
+    # Biases laid out for these tokens, so that elsa_stack's checks pass
+    # whatever p holds there (they are not used).
+    p = p._replace(**{name: jax.ShapeDtypeStruct(
+        (*p.w1.shape[:-2], jnp.shape(h)[-2], getattr(p, weight).shape[-1]),
+        jnp.result_type(p.w1)) for name, weight in
+        (("b1", "w1"), ("b2", "w2"), ("b3", "w3"))})
   # elsa_stack's checks, and the state's shape once key_mask's batch axes
   # have broadcast with those of h (the scan's carry keeps it).
   out = jax.eval_shape(
       lambda p, h, mask: elsa_stack(p, h, key_mask=mask, precision=precision),
-      p, abstract(h), None if key_mask is None else abstract(key_mask))
+      jax.tree.map(abstract, p), abstract(h),
+      None if key_mask is None else abstract(key_mask))
   h = jnp.broadcast_to(h, out.shape)
+  if key_mask is not None:
+    key_mask = jnp.broadcast_to(key_mask, out.shape[:-1]).astype(h.dtype)
+  weights = (p.w1, p.w2, p.w3)
+  biases = (p.b1, p.b2, p.b3) if use_bias else (None,) * 3
 
-  def step(state, layer_params):
-    # sum_c elsa(p_c, h) with elsa_layer's formula, but the components through
-    # elsa.elsa (vmapped): its K^T V is a dot, whose gradient XLA's CPU backend
-    # runs 15x faster than that of elsa_layer's fused multiply-and-sum for
-    # small m k v (BUILD_NOTES, "Training"; equal up to rounding).
-    per_component = jax.vmap(
-        lambda p_c: elsa(p_c, state, key_mask=key_mask, precision=precision)
-    )(layer_params)
-    new = state + jnp.sum(per_component, axis=0)
+  def step(state, layer):
+    new = state + _residual_update(*layer, state, key_mask, precision)
     return new, (new if return_all else None)
 
-  last, states = jax.lax.scan(step, h, p)
+  last, states = jax.lax.scan(step, h, (weights, biases),
+                              unroll=p.w1.shape[0] <= UNROLLED_DEPTH)
   if not return_all:
     return last
   return jnp.concatenate([h[None], states], axis=0)
+
+
+def _residual_update(weights, biases, h: Array, key_mask, precision) -> Array:
+  """``sum_c elsa(p_c, h) = sum_c Q_c S_c``, ``S_c = K_c^T diag(mask) V_c``;
+  ``biases`` ``None`` leaves them out.
+
+  Tokens before components, ``[..., m, C, k]``: a projection is then one
+  ``[items * m, n] @ [n, C k]`` dot whose output needs no transpose, and
+  every product is one dot over all items (no vmap over components); with
+  components before tokens XLA:CPU transposed every projection (BUILD_NOTES,
+  "Speed").
+  """
+  ein = functools.partial(jnp.einsum, precision=precision)
+  def project(w, b):
+    out = ein("...mn,cnk->...mck", h, w)
+    return out if b is None else out + jnp.moveaxis(b, 0, 1)  # [m, C, .]
+  keys, values, queries = (project(w, b) for w, b in zip(weights, biases))
+  if key_mask is not None:
+    values = values * key_mask[..., :, None, None]
+  s = ein("...mck,...mcv->...ckv", keys, values)
+  return ein("...mck,...ckv->...mv", queries, s)
 
 
 def _check_leaves(fn: Callable[[ElsaParams, Array], Array],

@@ -395,6 +395,25 @@ def grid_init_state(params: nnx.State, tx: optax.GradientTransformation, *,
   return jax.vmap(one)(params, learning_rates)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "form", "tx"))
+def train_step_on_batch(state: TrainState, task: ridge.Task, *, graphdef,
+                        rest: nnx.State, form, tx: optax.GradientTransformation
+                        ) -> tuple[TrainState, Array]:
+  """One optimiser step on the tasks ``task`` (read through ``form``'s tokens).
+
+  The part of :func:`train_step` after the draw: the loss and its gradient
+  (``jax.value_and_grad``) and the update of ``tx``.
+
+  Returns:
+    the new state and the loss on ``task`` (before the update).
+  """
+  value, grads = jax.value_and_grad(loss)(state.params, task, graphdef=graphdef,
+                                          rest=rest, form=form)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  return TrainState(params, opt_state, state.step + 1), value
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "tx", "batch",
                                              "batch_sharding"))
 def train_step(state: TrainState, key: Array, *, graphdef, rest: nnx.State,
@@ -416,12 +435,8 @@ def train_step(state: TrainState, key: Array, *, graphdef, rest: nnx.State,
                       dtype=dtype)
   if batch_sharding is not None:
     task = jax.lax.with_sharding_constraint(task, batch_sharding)
-  value, grads = jax.value_and_grad(loss)(state.params, task, graphdef=graphdef,
-                                          rest=rest,
-                                          form=spec.model_tokens())
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  return TrainState(params, opt_state, state.step + 1), value
+  return train_step_on_batch(state, task, graphdef=graphdef, rest=rest,
+                             form=spec.model_tokens(), tx=tx)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "tx", "batch",

@@ -1,8 +1,8 @@
-r"""Measured speed: the ELSA primitive, deep stacks, and the sweep kernel.
+r"""Measured speed: the ELSA primitive, deep stacks, the sweep kernel, the training step.
 
   python -m experiments.benchmark --workdir=runs/benchmark
 
-Three parts, each a list of rows in ``results.json`` and a printed table:
+Four parts, each a list of rows in ``results.json`` and a printed table:
 
 1. ``primitive``: ``elsa(p, h)`` under ``jit`` for ``h [m, n]``, ``k = v = n``,
    against (a) a plain ``jnp.matmul`` ``[m, n] @ [n, F]`` with the same FLOP
@@ -30,20 +30,25 @@ Three parts, each a list of rows in ``results.json`` and a printed table:
    the same ``vmap`` and shardings on the same items, and against a square
    matmul (the machine's rate), at several task batches, in items x layers
    per second (an item is one (lambda, eta, task)) and as a fraction of the
-   matmul's rate on the FLOPs of its ELSA layers (:func:`layer_flops`). The
-   row's ``max_rel_err`` is the kernel's own ELSA-vs-GD error: the timed work
-   is the real computation.
+   matmul's rate on the FLOPs of its pruned ELSA layers
+   (:func:`pruned_layer_flops`). The row's ``max_rel_err`` is the kernel's
+   own ELSA-vs-GD error: the timed work is the real computation.
+4. ``train``: the training step the train driver scans
+   (:func:`elsa.training.train_step`) against a plain reference of the same
+   model written here with ``jnp.einsum`` (:func:`reference_forward`, in the
+   ``(Q K^T) V`` order of attention code), the same loss, ``jax.value_and_grad``
+   and the same optax chain, float32: on one drawn batch
+   (:func:`elsa.training.train_step_on_batch` against the reference's step,
+   ``update_ratio``) and with the draw of the batch from the key
+   (``step_ratio``; both draw the same tasks with
+   :func:`elsa.training.sample_tasks`). Cases: von Oswald et al.'s task and
+   model (``configs/train.py:vonoswald``) at several depths, and the default
+   train config's ELSA stack. FLOPs per step are XLA's cost analysis of each
+   compiled step; each row checks that both sides give the same loss and
+   gradient.
 
-``config.parts`` names the parts that run (:data:`PARTS`); the ``ab`` variant
-(``--config=experiments/configs/benchmark.py:ab``) runs three A/B parts
-instead: ``sweep_ab`` (the sweep kernel with a parameter stack per item, as
-before per-item coefficients, against the kernel now, on the same items),
-``small_contraction_ab`` (the per-item ``K^T V`` of those layers as a batched
-dot against a multiply-and-sum) and ``contraction_ab`` (``K^T V`` at ``m >=
-fit_min_tokens`` as ``einsum``, ``dot_general``, transposed and in token
-blocks, alone and inside ``elsa``).
-
-Parts 1 and 3 (and the A/B parts) run in every dtype of ``config.dtypes``.
+``config.parts`` names the parts that run (:data:`PARTS`). Parts 1 and 3 run
+in every dtype of ``config.dtypes``, part 2 in the first, part 4 in float32.
 Every ratio ("fraction of X", "speedup over Y", "X / Y time") is the median of
 per-round ratios, both sides timed in the same round (:func:`time_rounds`),
 reported with its spread (min and max over the rounds): on a shared machine a
@@ -54,6 +59,7 @@ are medians of the rounds after warm-up, each call ended by
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -67,11 +73,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import ml_collections
 import numpy as np
+import optax
 
 import elsa
 from elsa import ridge
+from elsa import training
 from experiments import common
 from experiments import sweep
+from experiments import train
+from experiments.configs import train as train_configs
 
 _GIB = 2.0 ** 30
 
@@ -356,20 +366,6 @@ def sweep_config(config: ml_collections.ConfigDict, *, batch: int
       eta_mode="fraction"))
 
 
-def layer_flops(m: int, n: int, k: int, v: int, c: int) -> int:
-  """FLOPs of one ``elsa_layer`` of ``c`` components on one ``[m, n]`` item.
-
-  Per component: the projections and their biases ``2 m n (k + v) + m (k +
-  v)``, ``S = K^T V`` ``2 m k v``, its coefficients ``k v``, ``W3 S`` ``2 n k
-  v`` and ``B3 S`` ``2 m k v``; once: ``h (sum_c W3_c S_c)`` ``2 m n v`` and
-  the final add ``m v``. Zero entries of the weights count: this is the
-  arithmetic the machine does.
-  """
-  per_component = (2 * m * n * (k + v) + m * (k + v) + 4 * m * k * v
-                   + k * v + 2 * n * k * v)
-  return c * per_component + 2 * m * n * v + m * v
-
-
 def pruned_layer_flops(stack: elsa.PrunedStack) -> float:
   """FLOPs of one layer of ``stack`` on one item, the mean over its layers.
 
@@ -395,24 +391,6 @@ def pruned_layer_flops(stack: elsa.PrunedStack) -> float:
                 + 2 * n * k * v + 2 * m * n * v + m * v)
     total += layer * (seg.stop - seg.start)
   return total / stack.depth
-
-
-def dense_basis_task(form, x, y, x_query, lam, eta, *, depth: int
-                     ) -> dict[str, jax.Array]:
-  """:func:`experiments.sweep.measure_task` before :func:`elsa.prune`: the
-  shared basis with per-item coefficients through :func:`elsa.elsa_layer`,
-  every zero multiplied. The middle side of :func:`run_sweep_ab`."""
-  def layer(h, params_and_coeffs):
-    params, coeffs = params_and_coeffs
-    h = elsa.elsa_layer(params, h, coeffs=coeffs)
-    return h, form.decode_w(h)
-
-  h0 = form.encode(x, y, x_query=x_query)
-  _, w_layers = jax.lax.scan(layer, h0, (
-      form.gd_basis(depth=depth, dtype=x.dtype),
-      form.gd_coefficients(lam=lam, eta=eta, depth=depth)))
-  return sweep.compare_with_gd(form.decode_w(h0), w_layers, x, y, lam=lam,
-                               eta=eta, depth=depth)
 
 
 def _gd_kernel(*, depth: int, mesh: Mesh):
@@ -489,35 +467,6 @@ def run_sweep(config: ml_collections.ConfigDict) -> dict[str, Any]:
               devices=mesh.size, rows=rows)
 
 
-# --- A/B: the sweep kernel before and after the shared GD basis -------------
-
-
-def _components_first_layer(p: elsa.ElsaParams, h: jax.Array) -> jax.Array:
-  """``elsa_layer`` as it was before per-item coefficients (commit 3662322):
-  components first, ``K^T V`` one dot per component, no ``coeffs``."""
-  per_component = lambda b: b.reshape(b.shape[:1] + (1,) * (jnp.ndim(h) - 2)
-                                      + b.shape[1:])
-  keys = jnp.einsum("...mn,cnk->c...mk", h, p.w1) + per_component(p.b1)
-  values = jnp.einsum("...mn,cnv->c...mv", h, p.w2) + per_component(p.b2)
-  s = jnp.einsum("c...mk,c...mv->c...kv", keys, values)
-  return (jnp.einsum("...mn,...nv->...mv", h,
-                     jnp.einsum("cnk,c...kv->...nv", p.w3, s))
-          + jnp.einsum("cmk,c...kv->...mv", p.b3, s))
-
-
-def per_item_stack_task(form, x, y, x_query, lam, eta, *, depth: int
-                        ) -> dict[str, jax.Array]:
-  """:func:`experiments.sweep.measure_task` as it was before commit 3662322:
-  a parameter stack per item (``form.gd_params``), every state kept
-  (``return_all``) and then decoded. The A side of :func:`run_sweep_ab`."""
-  params = form.gd_params(lam=lam, eta=eta, depth=depth)
-  h0 = form.encode(x, y, x_query=x_query)
-  _, states = jax.lax.scan(
-      lambda h, p: (_components_first_layer(p, h),) * 2, h0, params)
-  return sweep.compare_with_gd(form.decode_w(h0), form.decode_w(states), x, y,
-                               lam=lam, eta=eta, depth=depth)
-
-
 def _sweep_args(config, batch: int, dtype, mesh: Mesh):
   """The sweep's items for ``batch`` tasks per grid point, padded and sharded
   as the sweep does it; returns ``(args, n_items, padded)``."""
@@ -530,207 +479,185 @@ def _sweep_args(config, batch: int, dtype, mesh: Mesh):
            for k in ("x", "y", "x_query", "lam", "eta")], n_items, padded)
 
 
-def sweep_ab_row(form, batch: int, dtype, mesh: Mesh,
-                 config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Per-item stacks (A), the shared basis multiplying its zeros (B) and the
-  sweep's kernel, the pruned basis (C), with a square matmul, on the same
-  items, timed in the same rounds."""
-  depth, dtype = config.sweep_depth, jnp.dtype(dtype)
-  args, n_items, padded = _sweep_args(config, batch, dtype, mesh)
-  split = NamedSharding(mesh, PartitionSpec("batch"))
-  vmapped = lambda task: jax.jit(
-      jax.vmap(lambda *a: task(form, *a, depth=depth)),
-      in_shardings=(split,) * 5,
-      out_shardings=NamedSharding(mesh, PartitionSpec()))
-  kernels = dict(per_item_stacks=vmapped(per_item_stack_task),
-                 shared_basis=vmapped(dense_basis_task),
-                 pruned_basis=sweep.build_measure(form, depth=depth,
-                                                  mesh=mesh))
-  calls = {name: (lambda c=kernel.lower(*args).compile(): c(*args))
-           for name, kernel in kernels.items()}
-  calls["matmul"], matmul_flops = square_matmul(config.square_matmul_size,
-                                                dtype, config)
-  times = time_rounds(calls, config=config)
-  _, c, _, k = form.gd_basis(depth=1).w1.shape  # [L, C, n, k]
-  flops = dict(
-      shared_basis=padded * depth * layer_flops(form.m, form.n, k, form.n, c),
-      pruned_basis=padded * depth * pruned_layer_flops(
-          elsa.prune(form.gd_basis(depth=depth, dtype=dtype))))
-  row = dict(batch=batch, dtype=dtype.name, items=n_items, depth=depth,
-             flops=flops)
-  for name in kernels:
-    row[name] = dict(timing(times[name]),
-                     item_layers_per_s=n_items * depth
-                     / float(np.median(times[name])))
-  row["speedup"] = per_round(times["per_item_stacks"] / times["pruned_basis"])
-  row["pruned_over_shared_speedup"] = per_round(
-      times["shared_basis"] / times["pruned_basis"])
-  for name in flops:
-    row[f"{name}_fraction_of_matmul_rate"] = per_round(
-        (flops[name] / times[name]) / (matmul_flops / times["matmul"]))
-  row["matmul_gflops"] = matmul_flops / float(np.median(times["matmul"])) / 1e9
-  # All three compute the same numbers: the A and B sides are the old
-  # kernels, not toys.
-  errors = [np.asarray(calls[name]()["rel_err"])[:n_items] for name in kernels]
-  row["max_rel_err"] = float(np.max(errors[-1]))
-  row["max_rel_err_difference"] = float(max(
-      np.max(np.abs(e - errors[-1])) for e in errors[:-1]))
-  return row
+# --- Part 4: the training step against a plain reference ---------------------
 
 
-def run_sweep_ab(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """A/B of the sweep kernel: per-item parameter stacks (before commit
-  3662322) against the shared GD basis with per-item coefficients (now), at
-  every dtype and task batch, interleaved."""
-  form = sweep.make_form(config.sweep_form, sweep_config(config, batch=1))
-  mesh = Mesh(np.array(jax.devices()), ("batch",))
-  rows = []
-  with jax.default_matmul_precision("highest"):
-    for dtype in config.dtypes:
-      for batch in config.sweep_batches:
-        rows.append(sweep_ab_row(form, batch, dtype, mesh, config))
-  return dict(form=config.sweep_form, rows=rows)
+def train_cases(config: ml_collections.ConfigDict
+                ) -> list[tuple[str, int, ml_collections.ConfigDict]]:
+  """``(model, depth, train config)`` of every case of part 4.
 
-
-def _sweep_layers(form, *, depth: int, small_layout: str):
-  """The ELSA layers of the sweep kernel alone (no GD or ridge reference),
-  with the per-item ``K^T V`` laid out as ``small_layout``: ``(x, y, x_query,
-  lam, eta) -> w [B, depth, d]``."""
-  from elsa import attention  # pylint: disable=g-import-not-at-top
-
-  def one(x, y, x_query, lam, eta):
-    def layer(h, params_and_coeffs):
-      params, coeffs = params_and_coeffs
-      h = attention._layer(params, h, None, coeffs, small_layout=small_layout)  # pylint: disable=protected-access
-      return h, form.decode_w(h)
-    basis = form.gd_basis(depth=depth, dtype=x.dtype)
-    coeffs = form.gd_coefficients(lam=lam, eta=eta, depth=depth)
-    return jax.lax.scan(layer, form.encode(x, y, x_query=x_query),
-                        (basis, coeffs))[1]
-  return jax.jit(jax.vmap(one))
-
-
-def run_small_contraction_ab(config: ml_collections.ConfigDict
-                             ) -> dict[str, Any]:
-  """A/B of the per-item ``K^T V`` of small items (the sweep's): a batched
-  dot against the multiply-and-sum, in the sweep kernel's layers on its
-  items, at every dtype and task batch, interleaved."""
-  form = sweep.make_form(config.sweep_form, sweep_config(config, batch=1))
-  mesh = Mesh(np.array(jax.devices()), ("batch",))
-  layouts = ("multiply_sum", "dot")
-  rows = []
-  with jax.default_matmul_precision("highest"):
-    for dtype in config.dtypes:
-      for batch in config.sweep_batches:
-        args, n_items, _ = _sweep_args(config, batch, jnp.dtype(dtype), mesh)
-        calls = {
-            layout: (lambda c=_sweep_layers(
-                form, depth=config.sweep_depth,
-                small_layout=layout).lower(*args).compile(): c(*args))
-            for layout in layouts}
-        outs = [np.asarray(calls[layout]()) for layout in layouts]
-        times = time_rounds(calls, config=config)
-        row = dict(batch=batch, dtype=jnp.dtype(dtype).name, items=n_items,
-                   dot_speedup=per_round(times["multiply_sum"] / times["dot"]),
-                   max_difference=float(np.max(np.abs(outs[0] - outs[1]))
-                                        / np.max(np.abs(outs[0]))))
-        for layout in layouts:
-          row[layout] = dict(timing(times[layout]), item_layers_per_s=(
-              n_items * config.sweep_depth / float(np.median(times[layout]))))
-        rows.append(row)
-  return dict(form=config.sweep_form, rows=rows)
-
-
-# --- A/B: layouts of the token contraction K^T V -----------------------------
-
-
-def _contract_tokens(layout: str, keys: jax.Array, values: jax.Array
-                     ) -> jax.Array:
-  """``K^T V``, ``[k, v]`` from ``keys [m, k]`` and ``values [m, v]``, laid out as ``layout``.
-
-  ``einsum`` (the library's, a ``dot`` contracting axis 0 of both);
-  ``dot_general`` (the same dimension numbers written out); ``transposed``
-  (``K`` transposed first, then a plain ``[k, m] @ [m, v]``); ``block<b>``
-  (tokens in blocks of ``b``: a batched ``[m/b]`` dot of ``[b, k]^T [b, v]``,
-  then a sum over blocks; ``m`` must be a multiple of ``b``).
+  Von Oswald et al.'s task (``configs/train.py:vonoswald``: masked LSA with
+  the residual, one head, weights tied) at every depth of
+  ``config.train_lsa_depths``, and the default config's ELSA stack at
+  ``config.train_elsa_depth``; each at its own batch from ``config``.
   """
-  if layout == "einsum":
-    return jnp.einsum("mk,mv->kv", keys, values)
-  if layout == "dot_general":
-    return jax.lax.dot_general(keys, values, (((0,), (0,)), ((), ())))
-  if layout == "transposed":
-    return jnp.matmul(jnp.transpose(keys), values)
-  block = int(layout.removeprefix("block"))
-  m = keys.shape[0]
-  return jnp.einsum("cbk,cbv->ckv", keys.reshape(m // block, block, -1),
-                    values.reshape(m // block, block, -1)).sum(0)
+  vonoswald = train_configs.get_config("vonoswald")
+  vonoswald.batch = config.train_lsa_batch
+  default = train_configs.get_config()
+  default.batch = config.train_elsa_batch
+  return ([("lsa_residual_trained", depth, vonoswald)
+           for depth in config.train_lsa_depths]
+          + [("elsa_trained", config.train_elsa_depth, default)])
 
 
-def _elsa_with(layout: str):
-  """``elsa.elsa`` (the library's evaluation order) with ``K^T V`` as ``layout``."""
-  def forward(p, h):
-    kv = _contract_tokens(layout, h @ p.w1 + p.b1, h @ p.w2 + p.b2)
-    return h @ (p.w3 @ kv) + p.b3 @ kv
-  return forward
+def _train_spec(c) -> training.TaskSpec:
+  """The tasks of train config ``c`` (as the train driver draws them)."""
+  return training.TaskSpec(n_train=c.n_train, d=c.d, n_query=c.n_query,
+                           lam=c.lam, noise=c.noise, x_scale=c.x_scale,
+                           x_dist=c.x_dist, tokens=c.tokens)
 
 
-def contraction_layouts(m: int, config: ml_collections.ConfigDict
-                        ) -> list[str]:
-  """The layouts tried at ``m`` tokens: blocks only where they divide ``m``."""
-  return ["einsum", "dot_general", "transposed"] + [
-      f"block{b}" for b in config.contraction_blocks if m % b == 0 and b < m]
+def _train_setup(name: str, depth: int, train_config):
+  """The model, task spec and optimiser the train driver builds for one grid point."""
+  c = train_config
+  spec = _train_spec(c)
+  switches = train.MODELS[name]
+  model = training.init_model(
+      jax.random.key(c.seed), spec, depth=depth, components=c.components,
+      inner=c.inner, tied=c.tied, scale=c.init_scales[0],
+      skip_init=switches["use_bias"] and c.skip_init, dtype=jnp.float32,
+      **switches)
+  tx = training.optimizer(learning_rate=c.learning_rates[0], steps=c.steps,
+                          warmup_steps=c.warmup_steps,
+                          end_fraction=c.end_fraction, clip_norm=c.clip_norm)
+  return model, spec, tx
 
 
-def contraction_ab_row(m: int, n: int, dtype, config: ml_collections.ConfigDict
-                       ) -> dict[str, Any]:
-  """Every layout of ``K^T V``, alone (against ``[m, n] @ [n, n]``, the same
-  FLOPs) and inside ``elsa`` (against the same-FLOP matmul and against the
-  library's ``elsa``), timed in the same rounds."""
-  dtype = jnp.dtype(dtype)
-  rng = np.random.default_rng(config.seed)
-  p = random_params(rng, m=m, n=n, k=n, scale=n ** -0.5, dtype=dtype)
-  h, keys, values = (normal(rng, (m, n), dtype) for _ in range(3))
-  square = normal(rng, (n, n), dtype)
-  flops = elsa_flops(m, n, n, n)
-  width = math.ceil(flops / (2 * m * n))
-  wide = normal(rng, (n, width), dtype)
-  compile_ = lambda f, *a: (lambda c=jax.jit(f).lower(*a).compile(): c(*a))
-  layouts = contraction_layouts(m, config)
-  calls = dict(library=compile_(elsa.elsa, p, h),
-               matmul=compile_(jnp.matmul, h, wide),
-               matmul_square=compile_(jnp.matmul, keys, square))
-  reference = np.asarray(elsa.elsa(p, h))
-  for layout in layouts:
-    calls[f"elsa_{layout}"] = compile_(_elsa_with(layout), p, h)
-    calls[f"kv_{layout}"] = compile_(
-        lambda a, b, layout=layout: _contract_tokens(layout, a, b), keys,
-        values)
-    got = np.asarray(calls[f"elsa_{layout}"]())
-    error = np.max(np.abs(got - reference)) / np.max(np.abs(reference))
-    if not error < (1e-4 if dtype == jnp.float32 else 1e-10):
-      raise AssertionError(f"layout {layout}: relative difference {error}")
+def reference_forward(params: dict[str, jax.Array], h: jax.Array, *,
+                      depth: int, residual: bool, key_mask) -> jax.Array:
+  """The stack written out with ``jnp.einsum``, in the order of attention code.
+
+  ``params``: leaves ``[L, C, ...]`` (``[1, C, ...]`` for tied weights,
+  looped ``depth`` times), ``b1, b2, b3`` absent for LSA; ``h [B, m, n]``;
+  ``key_mask [m]`` or ``None``. Layer ``t``: ``out = sum_c (Q_c K_c^T) V_c``
+  with ``Q = h W3 + B3``, ``K = diag(mask) (h W1 + B1)``, ``V = h W2 + B2``,
+  then ``h <- h + out`` (residual) or ``h <- out``.
+  """
+  ein = jnp.einsum
+  for t in range(depth):
+    layer = {name: leaf[min(t, leaf.shape[0] - 1)]
+             for name, leaf in params.items()}
+    out = 0
+    for c in range(layer["w1"].shape[0]):
+      part = lambda w, b: ein("bmn,nk->bmk", h, layer[w][c]) + (
+          layer[b][c] if b in layer else 0)
+      q, k, v = part("w3", "b3"), part("w1", "b1"), part("w2", "b2")
+      if key_mask is not None:
+        k = k * key_mask[:, None]
+      out = out + ein("bqt,btv->bqv", ein("bqk,btk->bqt", q, k), v)
+    h = h + out if residual else out
+  return h
+
+
+def _reference_loss(form, *, depth: int, residual: bool, key_mask):
+  """The plain reference's loss: MSE of the query predictions."""
+  def loss(params, task):
+    h = form.encode(task.x, task.y, x_query=task.x_query)
+    pred = form.decode_pred(reference_forward(
+        params, h, depth=depth, residual=residual, key_mask=key_mask))
+    return jnp.mean((pred - task.y_query) ** 2)
+  return loss
+
+
+def _reference_step(loss, tx):
+  """The plain reference's train step on a batch: ``jax.value_and_grad`` of
+  ``loss`` and the same optax chain."""
+  def step(params, opt_state, task):
+    value, grads = jax.value_and_grad(loss)(params, task)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+  return step
+
+
+def step_flops(compiled) -> float | None:
+  """FLOPs of one call of ``compiled`` by XLA's cost analysis (``None`` if
+  the backend gives none)."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return None  # Not every backend implements it.
+  cost = cost[0] if isinstance(cost, list) else cost
+  return None if not cost or "flops" not in cost else float(cost["flops"])
+
+
+def train_row(name: str, depth: int, train_config,
+              config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Our train step against the plain reference on the same tasks, timed in
+  the same rounds: on a drawn batch (``update``: forward, backward, optimiser)
+  and with the draw (``step``: :func:`elsa.training.train_step`, the step
+  ``train_steps`` scans, against the reference drawing the same tasks)."""
+  model, spec, tx = _train_setup(name, depth, train_config)
+  form, batch = spec.model_tokens(), train_config.batch
+  split = training.split(model)
+  state = training.init_state(split.params, tx)
+  # The same values as plain arrays: the reference's parameters.
+  params = {key: leaf[...] for key, leaf in split.params.items()}
+  key = jax.random.key(config.seed)
+  task = training.sample_tasks(jax.random.fold_in(key, 0), spec, batch=batch,
+                               dtype=jnp.float32)
+  switches = train.MODELS[name]
+  mask = ((jnp.arange(form.m) < spec.n_train).astype(jnp.float32)
+          if switches["context_only"] else None)
+  reference_loss = _reference_loss(form, depth=depth,
+                                   residual=switches["residual"], key_mask=mask)
+  reference = _reference_step(reference_loss, tx)
+  ref_opt_state = tx.init(params)
+
+  def reference_draw(params, opt_state, step):
+    drawn = training.sample_tasks(jax.random.fold_in(key, step), spec,
+                                  batch=batch, dtype=jnp.float32)
+    return reference(params, opt_state, drawn)
+
+  kw = dict(graphdef=split.graphdef, rest=split.rest, tx=tx)
+  compiled = dict(
+      ours_update=jax.jit(functools.partial(
+          training.train_step_on_batch, form=form, **kw)).lower(
+              state, task).compile(),
+      reference_update=jax.jit(reference).lower(
+          params, ref_opt_state, task).compile(),
+      ours_step=jax.jit(functools.partial(
+          training.train_step, spec=spec, batch=batch, **kw)).lower(
+              state, key).compile(),
+      reference_step=jax.jit(reference_draw).lower(
+          params, ref_opt_state, state.step).compile())
+  calls = dict(ours_update=lambda: compiled["ours_update"](state, task),
+               reference_update=lambda: compiled["reference_update"](
+                   params, ref_opt_state, task),
+               ours_step=lambda: compiled["ours_step"](state, key),
+               reference_step=lambda: compiled["reference_step"](
+                   params, ref_opt_state, state.step))
+  # The reference is the same math: the same loss and gradient (up to
+  # float32 rounding) at the same parameters and batch.
+  ours_loss, ours_grads = jax.value_and_grad(training.loss)(
+      state.params, task, graphdef=split.graphdef, rest=split.rest, form=form)
+  ref_loss, ref_grads = jax.value_and_grad(reference_loss)(params, task)
+  difference = max(float(jnp.max(jnp.abs(ours_grads[k][...] - ref_grads[k]))
+                         / jnp.max(jnp.abs(ref_grads[k]))) for k in ref_grads)
   times = time_rounds(calls, config=config)
-  rate = lambda name, f: f / times[name]
-  row = dict(m=m, n=n, dtype=dtype.name, layouts=layouts,
-             library_fraction_of_matmul_rate=per_round(
-                 rate("library", flops) / rate("matmul", 2 * m * n * width)))
-  for layout in layouts:
-    row[layout] = dict(
-        kv_fraction_of_matmul_rate=per_round(
-            times["matmul_square"] / times[f"kv_{layout}"]),
-        elsa_fraction_of_matmul_rate=per_round(
-            rate(f"elsa_{layout}", flops) / rate("matmul", 2 * m * n * width)),
-        elsa_speedup_over_library=per_round(
-            times["library"] / times[f"elsa_{layout}"]))
+  row = dict(model=name, depth=depth, batch=batch, m=form.m, n=form.n,
+             components=train_config.components, tied=train_config.tied,
+             loss_relative_difference=float(abs(ours_loss - ref_loss)
+                                            / abs(ref_loss)),
+             gradient_relative_difference=difference)
+  for side in calls:
+    row[side] = dict(timing(times[side]), flops=step_flops(compiled[side]))
+  row["update_ratio"] = per_round(times["ours_update"]
+                                  / times["reference_update"])
+  row["step_ratio"] = per_round(times["ours_step"] / times["reference_step"])
   return row
 
 
-def run_contraction_ab(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """A/B of the layouts of ``K^T V`` at every dtype, width and ``m >=
-  fit_min_tokens``, interleaved."""
-  return dict(rows=[contraction_ab_row(m, n, dtype, config)
-                    for dtype in config.dtypes for n in config.widths
-                    for m in config.tokens if m >= config.fit_min_tokens])
+def run_train(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Part 4: our train step against the plain reference at every case of
+  :func:`train_cases` (float32, as the train driver runs)."""
+  cases = train_cases(config)
+  progress = common.Progress(len(cases), name="train", unit="cases",
+                             every_s=0.0)
+  rows = []
+  for name, depth, train_config in cases:
+    rows.append(train_row(name, depth, train_config, config))
+    progress.update()
+  return dict(rows=rows)
 
 
 def _spread(ratio: dict[str, float] | None) -> str:
@@ -747,9 +674,7 @@ def format_tables(results: dict[str, Any]) -> str:
     lines.append(f"square matmul {square['size']}^3 {square['dtype']}: "
                  f"{square['gflops']:.1f} GFLOP/s")
   tables = dict(primitive=_primitive_table, stack=_stack_table,
-                sweep=_sweep_table, sweep_ab=_sweep_ab_table,
-                small_contraction_ab=_small_contraction_ab_table,
-                contraction_ab=_contraction_ab_table)
+                sweep=_sweep_table, train=_train_table)
   for part, table in tables.items():
     if part in results:
       lines.extend(table(results[part]))
@@ -811,54 +736,21 @@ def _sweep_table(part: dict[str, Any]) -> list[str]:
   return lines
 
 
-def _sweep_ab_table(part: dict[str, Any]) -> list[str]:
-  lines = [f"sweep kernel A/B ({part['form']} form): per-item parameter "
-           "stacks (A), shared GD basis (B), pruned shared basis (C, the "
-           "sweep's)",
-           f"{'dtype':>8} {'batch':>6} {'A item-layers/s':>16} "
-           f"{'B item-layers/s':>16} {'C item-layers/s':>16} "
-           f"{'C over A':>22} {'C over B':>22} {'B of matmul rate':>22} "
-           f"{'C of matmul rate':>22} {'max |diff| rel_err':>18}"]
+def _train_table(part: dict[str, Any]) -> list[str]:
+  lines = ["train step, ours / plain reference (float32): on a drawn batch "
+           "(update) and with the draw (step); FLOPs per update",
+           f"{'model':>21} {'L':>3} {'batch':>6} {'ours ms':>8} {'ref ms':>8} "
+           f"{'update ratio':>20} {'step ratio':>20} {'ours GFLOP':>11} "
+           f"{'ref GFLOP':>10}"]
+  gflop = lambda f: "?" if f is None else f"{f / 1e9:.3g}"
   for r in part["rows"]:
     lines.append(
-        f"{r['dtype']:>8} {r['batch']:>6} "
-        f"{r['per_item_stacks']['item_layers_per_s']:>16.4g} "
-        f"{r['shared_basis']['item_layers_per_s']:>16.4g} "
-        f"{r['pruned_basis']['item_layers_per_s']:>16.4g} "
-        f"{_spread(r['speedup']):>22} "
-        f"{_spread(r['pruned_over_shared_speedup']):>22} "
-        f"{_spread(r['shared_basis_fraction_of_matmul_rate']):>22} "
-        f"{_spread(r['pruned_basis_fraction_of_matmul_rate']):>22} "
-        f"{r['max_rel_err_difference']:>18.2g}")
-  return lines
-
-
-def _small_contraction_ab_table(part: dict[str, Any]) -> list[str]:
-  lines = [f"per-item K^T V of the sweep's layers ({part['form']} form): "
-           "batched dot vs multiply-and-sum",
-           f"{'dtype':>8} {'batch':>6} {'multiply_sum item-layers/s':>27} "
-           f"{'dot item-layers/s':>18} {'dot speedup':>22} {'difference':>11}"]
-  for r in part["rows"]:
-    lines.append(f"{r['dtype']:>8} {r['batch']:>6} "
-                 f"{r['multiply_sum']['item_layers_per_s']:>27.4g} "
-                 f"{r['dot']['item_layers_per_s']:>18.4g} "
-                 f"{_spread(r['dot_speedup']):>22} "
-                 f"{r['max_difference']:>11.2g}")
-  return lines
-
-
-def _contraction_ab_table(part: dict[str, Any]) -> list[str]:
-  lines = ["K^T V layouts: fraction of the matmul rate, alone (kv) and in "
-           "elsa; elsa speedup over the library's"]
-  for r in part["rows"]:
-    lines.append(f"{r['dtype']} n={r['n']} m={r['m']}: library elsa "
-                 f"{_spread(r['library_fraction_of_matmul_rate'])}")
-    for layout in r["layouts"]:
-      got = r[layout]
-      lines.append(
-          f"  {layout:>12}: kv {_spread(got['kv_fraction_of_matmul_rate'])}, "
-          f"elsa {_spread(got['elsa_fraction_of_matmul_rate'])}, speedup "
-          f"{_spread(got['elsa_speedup_over_library'])}")
+        f"{r['model']:>21} {r['depth']:>3} {r['batch']:>6} "
+        f"{r['ours_update']['median_s'] * 1e3:>8.3g} "
+        f"{r['reference_update']['median_s'] * 1e3:>8.3g} "
+        f"{_spread(r['update_ratio']):>20} {_spread(r['step_ratio']):>20} "
+        f"{gflop(r['ours_update']['flops']):>11} "
+        f"{gflop(r['reference_update']['flops']):>10}")
   return lines
 
 
@@ -880,10 +772,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     common.check_items(config, field, integer=True, low=1)
   common.check_items(config, "unrolled_depths", integer=True, low=1,
                      allow_empty=True)
-  common.check_items(config, "contraction_blocks", integer=True, low=1)
+  common.check_items(config, "train_lsa_depths", integer=True, low=1)
   for field in ("fit_min_tokens", "square_matmul_size", "stack_tokens",
                 "stack_width", "stack_components", "compile_reps",
-                "sweep_n_train", "sweep_d", "sweep_n_query", "sweep_depth"):
+                "sweep_n_train", "sweep_d", "sweep_n_query", "sweep_depth",
+                "train_lsa_batch", "train_elsa_depth", "train_elsa_batch"):
     common.check_int(config, field)
   common.check_float(config, "quadratic_budget_gib", low=0)
   common.check_float(config, "sweep_noise", low=0)
@@ -903,8 +796,23 @@ def validate(config: ml_collections.ConfigDict) -> None:
                       * config.stack_width
                       + 3 * config.square_matmul_size ** 2),
       fields="tokens, widths, stack_* and square_matmul_size")
-  # Part 3 and its A/B: the sweep's own estimate for the largest batch, run
-  # as one chunk.
+  # Part 1's quadratic order runs up to its budget, or at most what it needs
+  # at the largest m ([m, m] scores and their copy).
+  if "primitive" in config.parts:
+    common.check_fits(min(config.quadratic_budget_gib * _GIB,
+                          2 * itemsize * m * m),
+                      fields="quadratic_budget_gib")
+  # Part 4: per layer and component the state, Q, K, V and the [m, m]
+  # scores of the reference, kept for the backward pass, a few copies.
+  def train_bytes(depth, train_config):
+    form = _train_spec(train_config).model_tokens()
+    return (16 * depth * train_config.components * train_config.batch
+            * form.m * (4 * form.n + form.m))
+  common.check_fits(max(train_bytes(depth, train_config)
+                        for _, depth, train_config in train_cases(config)),
+                    fields="train_lsa_batch, train_lsa_depths, "
+                           "train_elsa_batch and train_elsa_depth")
+  # Part 3: the sweep's own estimate for the largest batch, run as one chunk.
   sweep_run = sweep_config(config, batch=max(config.sweep_batches))
   sweep_run.update(forms=(config.sweep_form,), depth=config.sweep_depth,
                    chunk_size=sweep._n_items(sweep_run),  # pylint: disable=protected-access
@@ -916,9 +824,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 # What config.parts may name.
 PARTS = dict(primitive=run_primitive, stack=run_stack, sweep=run_sweep,
-             sweep_ab=run_sweep_ab,
-             small_contraction_ab=run_small_contraction_ab,
-             contraction_ab=run_contraction_ab)
+             train=run_train)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *,

@@ -1,15 +1,15 @@
 r"""python -m experiments.benchmark --workdir=runs/benchmark
 
-Speed of the ELSA primitive, of deep stacks and of the sweep's own kernel
-(``experiments.sweep.build_measure``) against direct GD.
+Speed of the ELSA primitive, of deep stacks, of the sweep's own kernel
+(``experiments.sweep.build_measure``) against direct GD, and of the training
+step against a plain ``jnp.einsum`` reference.
 
 ``--config=experiments/configs/benchmark.py:quick`` shrinks every part to
-seconds (what tests/test_benchmark_driver.py runs); ``...benchmark.py:ab``
-runs the A/B parts instead (the sweep kernel before and after its shared GD
-basis; the layouts of ``K^T V``), about ten minutes on 2 CPU cores. Override
-any field, e.g. ``--config.tokens='(1024, 4096)' --config.reps=11``. The default takes about a
-few minutes on 2 quiet CPU cores (float32 and float64); the same command runs
-unchanged on a GPU or TPU. With float64 in ``dtypes`` the run turns on
+seconds (what tests/test_benchmark_driver.py runs). Override any field, e.g.
+``--config.tokens='(1024, 4096)' --config.reps=11`` or
+``--config.parts='("train",)'``. The default takes a few minutes on 2 quiet
+CPU cores (float32 and float64); the same command runs unchanged on a GPU or
+TPU. With float64 in ``dtypes`` the run turns on
 ``jax_enable_x64`` and restores the previous setting after it.
 """
 
@@ -20,16 +20,11 @@ from experiments import common
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The full benchmark; ``arg == 'quick'`` gives tiny sizes and few repetitions."""
-  arg = common.variant("benchmark", arg, ("quick", "ab"))
+  arg = common.variant("benchmark", arg, ("quick",))
   config = ml_collections.ConfigDict()
   config.seed = 0
-  # Which parts run, in order (experiments.benchmark.PARTS). The A/B parts
-  # ('ab' variant): sweep_ab times the sweep kernel before (per-item
-  # parameter stacks) and after (shared GD basis) at sweep_batches;
-  # small_contraction_ab the per-item K^T V of those layers as a batched dot
-  # and as a multiply-and-sum; contraction_ab the layouts of K^T V at
-  # tokens >= fit_min_tokens.
-  config.parts = ("primitive", "stack", "sweep")
+  # Which parts run, in order (experiments.benchmark.PARTS).
+  config.parts = ("primitive", "stack", "sweep", "train")
   # Parts 1 and 3 run in each dtype; part 2 (compile time) in the first.
   config.dtypes = ("float32", "float64")
   # Timing: `warmup` untimed rounds, then `reps` timed rounds, fewer (but at
@@ -78,15 +73,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Step sizes as fractions of each task's stability limit (all < 1: stable).
   config.sweep_eta_fractions = (0.5, 0.9)
   config.sweep_batches = (1, 16, 256)  # tasks per grid point
-  # Token blocks tried for K^T V in contraction_ab (where they divide m).
-  config.contraction_blocks = (128, 512)
 
-  if arg == "ab":
-    config.parts = ("sweep_ab", "small_contraction_ab", "contraction_ab")
-    config.reps = 15
-    config.max_case_s = 20.0
-    config.tokens = (4096, 16384)
-    config.sweep_batches = (16, 256)
+  # Part 4, the training step (elsa.training.train_step, float32) against a
+  # plain jnp.einsum reference of the same model, loss and optax chain: von
+  # Oswald et al.'s task and model (configs/train.py:vonoswald: masked LSA
+  # with the residual, one head, tied weights) at these depths and batch,
+  # and the default train config's ELSA stack at its depth and batch.
+  config.train_lsa_depths = (1, 2, 3)
+  config.train_lsa_batch = 2048
+  config.train_elsa_depth = 4
+  config.train_elsa_batch = 128
 
   if arg == "quick":
     config.warmup = 0
@@ -109,5 +105,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sweep_depth = 4
     config.sweep_lams = (0.1,)
     config.sweep_batches = (1, 4)
-    config.contraction_blocks = (16,)
+    config.train_lsa_depths = (1, 2)
+    config.train_lsa_batch = 32
+    config.train_elsa_depth = 2
+    config.train_elsa_batch = 16
   return config
