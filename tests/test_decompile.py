@@ -5,7 +5,7 @@ recovered), with noisy weights still identified, and a random stack is not."""
 
 import functools
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import Phase, given, settings, strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,16 +195,22 @@ def _check_recovered(fit, truth):
 
 # Fewer optimiser steps than the defaults: enough for these exact targets.
 QUICK = dict(restarts=4, adam_steps=100, lm_steps=20)
+# One draw each, not shrunk: an identify call takes seconds.
+ONCE = dict(max_examples=1, phases=(Phase.explicit, Phase.generate))
 
 
 @pytest.mark.parametrize("name", LIBRARY)
-@settings(max_examples=1)
+@settings(**ONCE)
 @given(data=st.data())
 def test_compiled_algorithms_are_identified_with_their_parameters(name, data):
   mu_lo, mu_hi = _mu(FIT_TASKS)
   compiled, scalars, truth = _known(name, data.draw, mu_lo, mu_hi)
   model = decompile.from_compiled(compiled, loops=LOOPS, lam=LAM, **scalars)
-  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, **QUICK)
+  # An exact stack is judged at an exact tolerance: at the default 1e-3 a
+  # weak momentum (beta = 0.125) is within tol of GD (D = 9.6e-4), and GD,
+  # simpler, is the answer there.
+  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-8,
+                              **QUICK)
   best = report.best
   assert best is not None and best.family == name, [
       (f.family, f.disagreement) for f in report.fits]
@@ -223,7 +229,7 @@ def test_compiled_algorithms_are_identified_with_their_parameters(name, data):
 
 
 @pytest.mark.parametrize("name", ("gd", "heavy_ball", "newton_schulz"))
-@settings(max_examples=1)
+@settings(**ONCE)
 @given(data=st.data())
 def test_noisy_compiled_weights_are_still_identified(name, data):
   mu_lo, mu_hi = _mu(FIT_TASKS)
@@ -235,9 +241,10 @@ def test_noisy_compiled_weights_are_still_identified(name, data):
                        for leaf, k in zip(clean, keys)))
   model = decompile.from_compiled(compiled, loops=LOOPS, params=noisy,
                                   lam=LAM, **scalars)
-  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, **QUICK)
+  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-5,
+                              **QUICK)
   assert report.best is not None and report.best.family == name
-  assert 1e-12 < report.best.disagreement < 1e-3  # the noise shows, a little
+  assert 1e-12 < report.best.disagreement < 1e-5  # the noise shows, a little
 
 
 def test_random_stack_is_no_family():
