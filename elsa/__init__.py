@@ -4,10 +4,10 @@ Reference: Hagiwara, "An extension of linear self-attention for in-context
 learning", arXiv:2503.23814 (2025).
 """
 
-from elsa import constructions, forms, nn, ridge, training
+from elsa import constructions, decompile, forms, nn, ridge, training
 from elsa.attention import (ElsaParams, PrunedStack, elsa, elsa_layer,
                             elsa_stack, lsa, prune)
 
-__all__ = ["ElsaParams", "PrunedStack", "constructions", "elsa", "elsa_layer",
+__all__ = ["ElsaParams", "PrunedStack", "constructions", "decompile", "elsa", "elsa_layer",
            "elsa_stack", "forms", "lsa", "nn", "prune", "ridge", "training"]
 __version__ = "0.1.0"

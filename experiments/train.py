@@ -11,6 +11,8 @@ For every depth ``L`` in ``config.depths`` it trains each model of
   ``h <- h + sum_c lsa(p_c, h)`` (``elsa.nn``'s ``residual=True``) with only
   the example tokens in the key/value sums (``key_mask``: the queries read
   but are not read).
+* ``elsa_masked``: ELSA (biases on, skip-initialised, no residual) with the
+  key mask of ``lsa_residual_trained``: the two on the same footing.
 
 Tuning is the same for every model: each trains at every point of one grid
 ``config.learning_rates x config.init_scales`` (the grid runs as one compiled
@@ -73,7 +75,9 @@ MODELS = {"elsa_trained": dict(use_bias=True, residual=False,
           "lsa_trained": dict(use_bias=False, residual=False,
                               context_only=False),
           "lsa_residual_trained": dict(use_bias=False, residual=True,
-                                       context_only=True)}
+                                       context_only=True),
+          "elsa_masked": dict(use_bias=True, residual=False,
+                              context_only=True)}
 BASELINES = ("bayes_optimal", "gd_best_eta", "elsa_constructed_gd", "ridge",
              "least_squares", "zero")
 # Models, training batches and test tasks alike (also under jax_enable_x64).

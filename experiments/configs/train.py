@@ -44,7 +44,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # constructed ELSA-GD stack) or "concatenated" (von Oswald et al.'s).
   config.tokens = "natural"
   # Models (names of experiments.train.MODELS), each trained at every depth.
-  config.models = ("elsa_trained", "lsa_trained", "lsa_residual_trained")
+  config.models = ("elsa_trained", "lsa_trained", "lsa_residual_trained",
+                   "elsa_masked")
   config.depths = (1, 2, 4)
   # Leaves [L, C, ...], inner width k (None: n, as the GD construction).
   config.components = 3

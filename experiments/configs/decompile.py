@@ -1,0 +1,61 @@
+r"""python -m experiments.decompile --workdir=runs/decompile
+
+Decompiles the models a ``train`` run trained (``config.train``, the train
+driver's config; its workdir is ``config.train_workdir``, default
+``<workdir>/train``, trained first if it holds no results): every family of
+``elsa.decompile.FAMILIES`` is fitted to every model at every depth and ranked
+on held-out tasks. About 10 minutes on 2 CPU cores after training (see
+BUILD_NOTES.md, "Decompiling trained stacks").
+
+Variants (``--config=experiments/configs/decompile.py:NAME``):
+
+* ``tiny``: seconds after the tiny training (tests and Colab): three
+  families, few tasks and optimiser steps.
+* ``vonoswald``: the models of ``train.py:vonoswald`` (von Oswald et al.'s
+  setting, depths 1, 2, 3), reusing its workdir if
+  ``--config.train_workdir`` points to it.
+"""
+
+import ml_collections
+
+from experiments import common
+from experiments.configs import train as train_config
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The default run, or the variant ``arg`` (``tiny``, ``vonoswald``)."""
+  arg = common.variant("decompile", arg, ("tiny", "vonoswald"))
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  # The training run whose models are decompiled (the same config the train
+  # driver takes) and its workdir (None: <workdir>/train).
+  config.train = train_config.get_config(arg)
+  config.train_workdir = ml_collections.config_dict.placeholder(str)
+  # Which of config.train.models to decompile (empty: all).
+  config.models = ()
+  # Tasks of config.train's distribution: the fit on n_fit, every metric and
+  # the ranking on n_test others (each a multiple of the local device count).
+  config.n_fit = 256
+  config.n_test = 512
+  # Families (names of elsa.decompile.FAMILIES; empty: all), the held-out
+  # disagreement that counts as the same computation, the candidate
+  # iterations per layer, and the optimiser (random starts, Adam steps,
+  # Levenberg-Marquardt steps).
+  config.families = ()
+  config.tol = 1e-3
+  config.iterations = (1, 2)
+  config.restarts = 8
+  config.adam_steps = 200
+  config.lm_steps = 30
+  # The similarity map holds every layer against GD steps 0..this, at the
+  # train run's validation-chosen step size.
+  config.similarity_steps = 12
+  if arg == "tiny":
+    config.n_fit = 64
+    config.n_test = 64
+    config.families = ("gd", "gd_schedule", "heavy_ball")
+    config.restarts = 2
+    config.adam_steps = 50
+    config.lm_steps = 10
+    config.similarity_steps = 4
+  return config

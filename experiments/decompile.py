@@ -1,0 +1,262 @@
+r"""Which algorithm did each trained stack learn? ``elsa.decompile`` on a train run's models.
+
+For every model of ``config.train.models`` at every depth of
+``config.train.depths`` (the grid point the train run chose on its validation
+tasks, restored from its last checkpoint) it runs
+:func:`elsa.decompile.identify`: every family fitted on ``n_fit`` tasks of the
+training distribution at every exposed layer, ranked on ``n_test`` others
+(float64 families; the model in its own float32), with the ridge strength of
+the tasks. Beside it, Fu et al.'s similarity map of the layers against GD
+steps ``0..similarity_steps`` at the train run's chosen step size, and for LSA
+models Ahn et al.'s weight structure.
+
+The train run: ``config.train_workdir`` (default ``<workdir>/train``);
+:func:`experiments.train.run` trains it first if it holds no results (and
+skips if it does; a different train config there is refused).
+
+Workdir (claimed as every driver claims it,
+:func:`experiments.common.claim_workdir`): ``config.json``,
+``partial_<model>_L<depth>.json`` (each model and depth as soon as it is done;
+a rerun resumes at the first missing one), ``results.json`` (written last:
+``{"models": {model: [per depth: ranked fits with every metric, best, ties,
+similarity, weight structure, seconds]}}``) and ``figures/``
+(``similarity_<model>.png``, ``schedules.png``, ``sensitivity.png``). The
+task axis is sharded over the local devices (a ``Mesh`` over them and a
+``NamedSharding`` of every task array; parameters replicated).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from absl import app
+from absl import logging
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import ml_collections
+import numpy as np
+from matplotlib.figure import Figure
+
+from elsa import decompile, training
+from experiments import common
+from experiments import train
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Every field in its range, before any workdir is touched.
+
+  Raises:
+    common.ConfigError: naming the field and the allowed range.
+  """
+  common.check_seed(config)
+  train.validate(config.train)
+  devices = jax.local_device_count()
+  for field in ("n_fit", "n_test"):
+    if common.check_int(config, field, low=2) % devices:
+      raise common.ConfigError(f"config.{field} must be a multiple of the "
+                               f"local device count {devices}, got "
+                               f"{config[field]}.")
+  common.check_items(config, "families", choices=tuple(decompile.FAMILIES),
+                     allow_empty=True)
+  common.check_items(config, "models", choices=tuple(config.train.models),
+                     allow_empty=True)
+  common.check_float(config, "tol", low=0, low_open=True)
+  common.check_items(config, "iterations", integer=True, low=1)
+  for field in ("restarts", "adam_steps", "lm_steps", "similarity_steps"):
+    common.check_int(config, field)
+
+
+def _spec(config) -> training.TaskSpec:
+  t = config.train
+  return training.TaskSpec(n_train=t.n_train, d=t.d, n_query=t.n_query,
+                           lam=t.lam, noise=t.noise, x_scale=t.x_scale,
+                           x_dist=t.x_dist, tokens=t.tokens)
+
+
+def _sharded_tasks(config, salt: int, batch: int):
+  """Tasks of the training distribution (float64), sharded on the task axis."""
+  key = jax.random.fold_in(jax.random.key(config.seed), salt)
+  task = training.sample_tasks(key, _spec(config), batch=batch,
+                               dtype=np.float64)
+  mesh = Mesh(np.asarray(jax.local_devices()), ("tasks",))
+  return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(
+      mesh, PartitionSpec("tasks"))), task)
+
+
+def _trained(config, train_workdir: str, train_results: dict, name: str,
+             depth: int):
+  """The chosen grid point of ``name`` at ``depth`` from its last checkpoint
+  (``None`` if its whole grid diverged)."""
+  i = list(config.train.depths).index(depth)
+  choice = train_results["tuning"][name][i]
+  if choice["learning_rate"] is None:
+    return None
+  point = (choice["learning_rate"], choice["init_scale"])
+  index = train.grid(config.train).index(tuple(point))
+  split, _, _ = train.train_one(
+      config.train, name=name, depth=depth,
+      folder=os.path.join(train_workdir, "checkpoints", f"{name}_L{depth}"),
+      progress=common.Progress(0, name="restore"))
+  params = jax.tree.map(lambda a: a[index], split.params)
+  return training.merge(split.graphdef, params, split.rest)
+
+
+def _one(config, model, depth: int, eta: float, fit_tasks, test_tasks
+         ) -> dict:
+  """Decompiles one trained stack: the report, similarity, weight structure."""
+  spec = _spec(config)
+  predict = decompile.from_model(model, spec)
+  tic = time.perf_counter()
+  report = decompile.identify(
+      predict, fit_tasks, test_tasks, families=list(config.families) or None,
+      tol=config.tol, lam=spec.lam, iterations=tuple(config.iterations),
+      key=jax.random.fold_in(jax.random.key(config.seed), depth),
+      restarts=config.restarts, adam_steps=config.adam_steps,
+      lm_steps=config.lm_steps)
+  seconds = time.perf_counter() - tic
+  heat, argmax = decompile.similarity(
+      predict, lambda t: training.gd_step_predictions(
+          t, lam=spec.lam, eta=eta, steps=config.similarity_steps),
+      test_tasks)
+  structure = (None if model.use_bias
+               else decompile.weight_structure(model, spec))
+  return {"depth": depth, **report.as_dict(), "identify_seconds": seconds,
+          "similarity_to_gd": {"eta": eta, "map": heat.tolist(),
+                               "argmax": argmax.tolist()},
+          "weight_structure": structure}
+
+
+def _decompile_all(config, wd: common.Workdir, train_workdir: str,
+                   train_results: dict) -> dict:
+  fit_tasks = _sharded_tasks(config, 1, config.n_fit)
+  test_tasks = _sharded_tasks(config, 2, config.n_test)
+  names = list(config.models or config.train.models)
+  depths = list(config.train.depths)
+  progress = common.Progress(len(names) * len(depths), name="decompile",
+                             unit="stacks")
+  out = {}
+  for name in names:
+    out[name] = []
+    for i, depth in enumerate(depths):
+      partial = f"partial_{name}_L{depth}.json"
+      found = wd.read_json(partial)
+      if found is None:
+        model = _trained(config, train_workdir, train_results, name, depth)
+        found = ({"depth": depth, "diverged": True} if model is None else
+                 _one(config, model, depth, train_results["gd_best_eta"][i],
+                      fit_tasks, test_tasks))
+        wd.write_json(partial, found)
+        progress.update()
+      else:
+        progress.resumed(1)
+      out[name].append(common.finite_or_none(found))
+  return {"models": out, "depths": depths, "lam": _spec(config).lam,
+          "gd_best_eta": train_results["gd_best_eta"],
+          "train_test_loss": {n: train_results["test_loss"][n] for n in names}}
+
+
+# --- figures ---------------------------------------------------------------------
+
+
+def similarity_figure(per_depth: list[dict], name: str) -> Figure:
+  """One heatmap per depth: layers against GD steps, the argmax marked."""
+  shown = [r for r in per_depth if "similarity_to_gd" in r]
+  fig = Figure(figsize=(3.2 * max(len(shown), 1), 3.0), layout="constrained")
+  for k, r in enumerate(shown):
+    ax = fig.add_subplot(1, len(shown), k + 1)
+    heat = np.asarray(r["similarity_to_gd"]["map"], float)
+    image = ax.imshow(heat, vmin=-1, vmax=1, cmap="RdBu_r", aspect="auto",
+                      origin="lower")
+    ax.plot(r["similarity_to_gd"]["argmax"], range(heat.shape[0]), "k*")
+    ax.set(title=f"{name}, L = {r['depth']}", xlabel="GD step",
+           ylabel="layer")
+    fig.colorbar(image, ax=ax)
+  return fig
+
+
+def schedules_figure(results: dict) -> Figure:
+  """The fitted GD schedule (step per iteration) of every model and depth."""
+  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  ax = fig.add_subplot()
+  for name, per_depth in results["models"].items():
+    for r in per_depth:
+      fits = {f["family"]: f for f in r.get("fits", [])}
+      if "gd_schedule" in fits:
+        eta = fits["gd_schedule"]["params"]["eta"]
+        ax.plot(range(1, len(eta) + 1), eta, "o-",
+                label=f"{name} L={r['depth']}")
+  ax.set(xlabel="iteration", ylabel="fitted step size",
+         title="gd_schedule fitted to each stack")
+  ax.legend(fontsize=6)
+  return fig
+
+
+def sensitivity_figure(results: dict) -> Figure:
+  """Sensitivity cosine of the best family (and of GD) against depth."""
+  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  ax = fig.add_subplot()
+  for name, per_depth in results["models"].items():
+    for family, style in (("gd", "--"), (None, "-")):
+      xs, ys = [], []
+      for r in per_depth:
+        fits = {f["family"]: f for f in r.get("fits", [])}
+        pick = family or r.get("best") or (r["fits"][0]["family"]
+                                           if r.get("fits") else None)
+        if pick in fits:
+          xs.append(r["depth"])
+          ys.append(fits[pick]["metrics"]["sensitivity_cosine"])
+      ax.plot(xs, ys, style, marker="o",
+              label=f"{name}: {'gd' if family else 'best'}")
+  ax.set(xlabel="depth L", ylabel="cosine of d pred / d x_q",
+         title="input sensitivities: stack vs family")
+  ax.legend(fontsize=6)
+  return fig
+
+
+def _write_figures(results: dict, wd: common.Workdir) -> None:
+  for name, per_depth in results["models"].items():
+    wd.save_figure(similarity_figure(per_depth, name),
+                   f"figures/similarity_{name}.png")
+  wd.save_figure(schedules_figure(results), "figures/schedules.png")
+  wd.save_figure(sensitivity_figure(results), "figures/sensitivity.png")
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, *,
+        overwrite: bool = False) -> dict:
+  """Trains (if needed), decompiles, writes ``results.json`` and figures; resumes or skips.
+
+  Raises:
+    experiments.common.ConfigError: the config cannot run (nothing written).
+    experiments.common.WorkdirInUse: ``workdir`` (or the train workdir) is
+      held by another run, or holds another config and ``overwrite`` is off.
+    experiments.common.CorruptOutput: a saved file is damaged or altered.
+  """
+  validate(config)
+  train_workdir = config.train_workdir or os.path.join(workdir, "train")
+  with common.claim_workdir(workdir, config, overwrite=overwrite,
+                            owned=("partial_*.json",)) as wd:
+    done = wd.read_json("results.json")
+    if done is not None:
+      logging.info("%s: results of this config exist; nothing to do.", workdir)
+      return done
+    train_results = train.run(config.train, train_workdir)
+    with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+      results = common.finite_or_none(_decompile_all(
+          config, wd, train_workdir, train_results))
+    _write_figures(results, wd)
+    wd.write_json("results.json", results)  # last: its presence means done
+  for name, per_depth in results["models"].items():
+    for r in per_depth:
+      logging.info("%s L=%d: best %s (ties %s)", name, r["depth"],
+                   r.get("best"), r.get("ties"))
+  return results
+
+
+def main(argv) -> None:
+  common.run_main(argv, "decompile", run)
+
+
+if __name__ == "__main__":
+  common.define_flags("decompile")
+  app.run(main)

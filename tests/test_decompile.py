@@ -1,0 +1,338 @@
+"""elsa.decompile in float64: the families against independent references, and
+the controls that make an identification trustworthy: compiled stacks of the
+library's algorithms at random known parameters are identified (parameters
+recovered), with noisy weights still identified, and a random stack is not."""
+
+import functools
+
+from hypothesis import Phase, given, settings, strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elsa import algorithms, nn, programs, ridge, training
+from elsa import decompile
+from elsa.attention import ElsaParams
+import helpers
+
+N, D, Q, LOOPS, LAM = 6, 2, 2, 3, 0.1
+F64 = jnp.float64
+
+
+def _tasks(seed, batch=24, **kwargs):
+  return ridge.sample_tasks(jax.random.key(seed), batch=batch, n_train=N, d=D,
+                            n_query=Q, dtype=F64, **kwargs)
+
+
+def _mu(task):
+  """Mean smallest and largest eigenvalue of ``A`` over the tasks."""
+  lo, hi = algorithms.eigen_bounds(task.x, lam=LAM)
+  return float(jnp.mean(lo)), float(jnp.mean(hi))
+
+
+def _gd_iterates(task, eta, steps):
+  """Plain GD (elsa.ridge.gd) predictions after every step ``[steps + 1, B, Q]``."""
+  return training.gd_step_predictions(task, lam=LAM, eta=eta, steps=steps)
+
+
+# --- the families compute what they say ---------------------------------------
+
+
+def test_gd_and_schedule_are_plain_gd():
+  task = _tasks(0)
+  eta = 0.7 / _mu(task)[1]
+  want = _gd_iterates(task, eta, 4)
+  got = decompile.FAMILIES["gd"].predict({"eta": jnp.asarray(eta)}, task,
+                                         loops=4, lam=LAM)
+  assert helpers.rel_err(got, want) < 1e-12
+  sched = jnp.asarray([0.3, 0.9, 0.5, 0.7]) / _mu(task)[1]
+  got = decompile.FAMILIES["gd_schedule"].predict({"eta": sched}, task, loops=4,
+                                                  lam=LAM)
+  w = jnp.zeros((task.x.shape[0], D), F64)
+  for t in range(4):  # numpy-free GD with a schedule, step by step
+    grad = jnp.einsum("bnd,bn->bd", task.x, jnp.einsum("bnd,bd->bn", task.x, w)
+                      - task.y) / N + LAM * w
+    w = w - sched[t] * grad
+  assert helpers.rel_err(got[-1], jnp.einsum("bqd,bd->bq", task.x_query, w)
+                         ) < 1e-12
+
+
+def test_preconditioned_families_match_the_library_program():
+  task = _tasks(1)
+  rng = np.random.default_rng(0)
+  root = rng.normal(size=(D, D))
+  P = 0.3 * (root @ root.T + np.eye(D)) / _mu(task)[1]
+  lib = algorithms.preconditioned_gd(n_train=N, d=D, n_query=Q,
+                                     preconditioner=P)
+  out = programs.run(lib, loops=LOOPS, X=task.x, y=task.y[..., None],
+                     Xq=task.x_query, lam=LAM, eta=1.0)
+  want = jnp.einsum("bqd,tbd->tbq", task.x_query, out["w"][-(LOOPS + 2):-1,
+                                                          ..., 0])
+  got = decompile.FAMILIES["preconditioned_gd"].predict(
+      {"P": jnp.asarray(P)}, task, loops=LOOPS, lam=LAM)
+  assert helpers.rel_err(got, want) < 1e-12
+  diag = jnp.asarray(np.diag(P))
+  got = decompile.FAMILIES["preconditioned_gd_diag"].predict(
+      {"p": diag}, task, loops=LOOPS, lam=LAM)
+  out = programs.run(algorithms.preconditioned_gd(
+      n_train=N, d=D, n_query=Q, preconditioner=np.diag(np.diag(P))),
+                     loops=LOOPS, X=task.x, y=task.y[..., None],
+                     Xq=task.x_query, lam=LAM, eta=1.0)
+  assert helpers.rel_err(got[-1], jnp.einsum(
+      "bqd,bd->bq", task.x_query, out["w"][-2, ..., 0])) < 1e-12
+
+
+def test_gd_plus_plus_is_its_token_dynamics_and_compiles():
+  task = _tasks(2)
+  eta, gamma = 0.6 / _mu(task)[1], 0.2 / _mu(task)[1]
+  fam = decompile.FAMILIES["gd_plus_plus"]
+  got = fam.predict({"eta": jnp.asarray(eta), "gamma": jnp.asarray(gamma)},
+                    task, loops=LOOPS, lam=LAM)
+  # von Oswald et al.'s layer on numpy arrays, one task at a time.
+  x, y, xq = (np.asarray(a) for a in (task.x, task.y, task.x_query))
+  for b in range(x.shape[0]):
+    X, Xq, r, p = x[b], xq[b], y[b].copy(), np.zeros(Q)
+    for t in range(LOOPS):
+      G = X.T @ X / N
+      r, p, X, Xq = ((1 - eta * LAM) * r + eta * LAM * y[b] - eta * X @ (
+          X.T @ r) / N, (1 - eta * LAM) * p + eta * Xq @ (X.T @ r) / N,
+                     X - gamma * X @ G, Xq - gamma * Xq @ G)
+      np.testing.assert_allclose(got[t + 1, b], p, rtol=1e-11, atol=1e-13)
+  # gamma = 0 is GD; the program is one exact ELSA stack.
+  zero = fam.predict({"eta": jnp.asarray(eta), "gamma": jnp.asarray(0.0)},
+                     task, loops=LOOPS, lam=LAM)
+  assert helpers.rel_err(zero, _gd_iterates(task, eta, LOOPS)) < 1e-12
+  compiled = programs.compile(decompile.gd_plus_plus_program(n_train=N, d=D,
+                                                             n_query=Q))
+  stack = decompile.from_compiled(compiled, loops=LOOPS, lam=LAM, eta=eta,
+                                  gamma=gamma)
+  assert helpers.rel_err(stack(task), got) < 1e-11
+
+
+@pytest.mark.parametrize("name,steps", [
+    ("newton_schulz", lambda t: 2 ** t),
+    ("third_order", lambda t: (3 ** t + 1) // 2),
+    ("third_order_residual", lambda t: 3 ** t - 1)])
+def test_higher_order_iterates_are_gd_steps_as_equivalent_says(name, steps):
+  task = _tasks(3)
+  alpha = 0.6 / _mu(task)[1]
+  got = decompile.FAMILIES[name].predict({"alpha": jnp.asarray(alpha)}, task,
+                                         loops=2, lam=LAM)
+  gd = _gd_iterates(task, alpha, steps(2))
+  for t in range(3):
+    if name == "third_order_residual" and t == 0:
+      continue  # its iterate 0 is w = 0, GD step 0 ... = 3^0 - 1
+    assert helpers.rel_err(got[t], gd[steps(t)]) < 1e-10, t
+  claimed = decompile.FAMILIES[name].equivalent({"alpha": alpha}, (1, 2))
+  assert claimed[0]["gd_steps"] == [steps(1), steps(2)]
+
+
+def test_chebyshev_is_heavy_ball_at_its_schedule():
+  task = _tasks(4)
+  lo, hi = _mu(task)
+  values = {"mu_min": jnp.asarray(lo), "mu_gap": jnp.asarray(hi - lo)}
+  got = decompile.FAMILIES["chebyshev"].predict(values, task, loops=LOOPS,
+                                                lam=LAM)
+  eta, beta = algorithms.chebyshev_schedule(lo, hi, LOOPS)
+  want = decompile.FAMILIES["heavy_ball"].predict({"eta": eta, "beta": beta},
+                                                  task, loops=LOOPS, lam=LAM)
+  assert helpers.rel_err(got, want) < 1e-12
+  assert decompile.FAMILIES["gd"].n_params(d=D, loops=LOOPS) == 1
+  assert decompile.FAMILIES["gd_schedule"].n_params(d=D, loops=LOOPS) == LOOPS
+  assert decompile.FAMILIES["preconditioned_gd"].n_params(d=D, loops=1) == 3
+
+
+# --- controls: compiled stacks at known parameters ----------------------------
+
+LIBRARY = ("gd", "heavy_ball", "nesterov", "chebyshev", "newton_schulz",
+           "third_order", "third_order_residual", "preconditioned_gd")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name, P=None):
+  if name == "preconditioned_gd":
+    prog = algorithms.preconditioned_gd(n_train=N, d=D, n_query=Q,
+                                        preconditioner=np.asarray(P))
+  else:
+    prog = algorithms.ALGORITHMS[name](n_train=N, d=D, n_query=Q)
+  return programs.compile(prog)
+
+
+def _known(name, draw, mu_lo, mu_hi):
+  """A library algorithm's compiled stack at drawn parameters: ``(compiled,
+  scalars, {fitted parameter: its true value})``."""
+  frac = draw(st.floats(0.2, 0.9))
+  if name == "gd":
+    eta = frac / mu_hi
+    return _compiled(name), {"eta": eta}, {"eta": eta}
+  if name in ("heavy_ball", "nesterov"):
+    eta, beta = frac / mu_hi, draw(st.floats(0.1, 0.6))
+    return _compiled(name), {"eta": eta, "beta": beta}, {"eta": eta,
+                                                         "beta": beta}
+  if name == "chebyshev":
+    lo, hi = frac * mu_lo + 0.01, (1 + frac) * mu_hi
+    eta, beta = algorithms.chebyshev_schedule(lo, hi, LOOPS)
+    return _compiled(name), {"eta": eta, "beta": beta}, {"mu_min": lo,
+                                                         "mu_max": hi}
+  if name == "preconditioned_gd":
+    a, b = draw(st.floats(0.3, 1.0)), draw(st.floats(-0.3, 0.3))
+    P = ((a, b), (b, 1.0))
+    eta = frac / (mu_hi * (1 + abs(b)))
+    truth = {"P": eta * np.asarray(P)}
+    return _compiled(name, P), {"eta": eta}, truth
+  alpha = frac / mu_hi
+  return _compiled(name), {"alpha": alpha}, {"alpha": alpha}
+
+
+FIT_TASKS, TEST_TASKS = _tasks(10), _tasks(11)
+
+
+def _check_recovered(fit, truth):
+  for key, want in truth.items():
+    assert helpers.rel_err(fit.params[key], want) < 1e-4, (key, fit.params)
+
+
+# Fewer optimiser steps than the defaults: enough for these exact targets.
+QUICK = dict(restarts=4, adam_steps=100, lm_steps=20)
+# One draw each, not shrunk: an identify call takes seconds.
+ONCE = dict(max_examples=1, phases=(Phase.explicit, Phase.generate))
+
+
+@pytest.mark.parametrize("name", LIBRARY)
+@settings(**ONCE)
+@given(data=st.data())
+def test_compiled_algorithms_are_identified_with_their_parameters(name, data):
+  mu_lo, mu_hi = _mu(FIT_TASKS)
+  compiled, scalars, truth = _known(name, data.draw, mu_lo, mu_hi)
+  model = decompile.from_compiled(compiled, loops=LOOPS, lam=LAM, **scalars)
+  # An exact stack is judged at an exact tolerance: at the default 1e-3 a
+  # weak momentum (beta = 0.125) is within tol of GD (D = 9.6e-4), and GD,
+  # simpler, is the answer there.
+  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-8,
+                              **QUICK)
+  best = report.best
+  assert best is not None and best.family == name, [
+      (f.family, f.disagreement) for f in report.fits]
+  assert best.disagreement <= 1e-8 and best.iterations == (1,) * LOOPS
+  _check_recovered(best, truth)
+  assert best.metrics["sensitivity_cosine"] > 1 - 1e-8
+  # The ranking is by held-out disagreement, and it separates: the random
+  # stack's counterpart below is far above tol for every family.
+  ranked = [f.disagreement for f in report.fits]
+  assert ranked == sorted(ranked)
+  if name == "newton_schulz":
+    assert best.equivalent[0]["gd_steps"] == [2, 4, 8]
+  if name == "gd":  # the families that contain GD fit it too: a tie is named
+    assert {"heavy_ball", "nesterov"} <= {
+        f.family for f in report.fits if f.disagreement <= 1e-8}
+
+
+@pytest.mark.parametrize("name", ("gd", "heavy_ball", "newton_schulz"))
+@settings(**ONCE)
+@given(data=st.data())
+def test_noisy_compiled_weights_are_still_identified(name, data):
+  mu_lo, mu_hi = _mu(FIT_TASKS)
+  compiled, scalars, _ = _known(name, data.draw, mu_lo, mu_hi)
+  clean = compiled.params(loops=LOOPS, lam=LAM, **scalars)
+  keys = jax.random.split(jax.random.key(data.draw(st.integers(0, 99))), 6)
+  noisy = ElsaParams(*(leaf + 1e-3 * jnp.sqrt(jnp.mean(leaf ** 2)) *
+                       jax.random.normal(k, leaf.shape, leaf.dtype)
+                       for leaf, k in zip(clean, keys)))
+  model = decompile.from_compiled(compiled, loops=LOOPS, params=noisy,
+                                  lam=LAM, **scalars)
+  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-5,
+                              **QUICK)
+  assert report.best is not None and report.best.family == name
+  assert 1e-12 < report.best.disagreement < 1e-5  # the noise shows, a little
+
+
+def test_random_stack_is_no_family():
+  compiled = _compiled("gd")
+  clean = compiled.params(loops=LOOPS, lam=LAM, eta=0.1)
+  keys = jax.random.split(jax.random.key(5), 6)
+  random = ElsaParams(*(jnp.sqrt(jnp.mean(leaf ** 2)) *
+                        jax.random.normal(k, leaf.shape, leaf.dtype)
+                        for leaf, k in zip(clean, keys)))
+  model = decompile.from_compiled(compiled, loops=LOOPS, params=random,
+                                  lam=LAM, eta=0.1)
+  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, **QUICK)
+  assert report.best is None and report.ties == ()
+  assert min(f.disagreement for f in report.fits) > 1e-2
+  assert report.as_dict()["best"] is None
+
+
+# --- trained-stack adapter, similarity, weight structure ----------------------
+
+
+def test_from_model_reads_every_layer_on_both_layouts():
+  for tokens in ("natural", "concatenated"):
+    spec = training.TaskSpec(n_train=N, d=D, n_query=Q, tokens=tokens)
+    model = training.init_model(jax.random.key(0), spec, depth=2,
+                                use_bias=False, residual=True,
+                                context_only=True, skip_init=False, dtype=F64)
+    task = _tasks(6)
+    rows = decompile.from_model(model, spec)(task)
+    assert rows.shape == (3, 24, Q)
+    np.testing.assert_array_equal(rows[0], 0.0)
+    assert helpers.rel_err(rows[-1], training.model_predict(
+        model, spec.model_tokens(), task)) == 0.0
+  with pytest.raises(ValueError, match="from_model"):
+    decompile.from_model(model, training.TaskSpec(n_train=N + 1, d=D,
+                                                  n_query=Q))
+
+
+def test_similarity_finds_the_gd_step_of_each_layer():
+  task = _tasks(7)
+  eta = 0.5 / _mu(task)[1]
+  steps = _gd_iterates(task, eta, 6)
+  layers = steps[jnp.asarray([0, 2, 4])]  # a "model" two GD steps per layer
+  heat, argmax = decompile.similarity(layers, steps, task)
+  assert heat.shape == (3, 7)
+  np.testing.assert_array_equal(argmax, [0, 2, 4])
+  np.testing.assert_allclose(heat[[0, 1, 2], [0, 2, 4]], 1.0, rtol=1e-12)
+  assert heat[1, 1] < 1 - 1e-6
+  with pytest.raises(ValueError, match="similarity"):
+    decompile.similarity(layers[0], steps, task)
+
+
+def test_weight_structure_of_a_gd_like_lsa_layer():
+  spec = training.TaskSpec(n_train=N, d=D, n_query=Q, tokens="concatenated")
+  n = D + 1
+  w1 = jnp.eye(n, dtype=F64)
+  w3 = jnp.diag(jnp.asarray([0.5] * D + [0.0], F64))      # W_KQ = 0.5 I on x
+  w2 = jnp.zeros((n, n), F64).at[D, D].set(-0.2)          # y -> y only
+  lead = lambda a: a[None, None]
+  m = N + Q
+  params = ElsaParams(lead(w1), lead(w2), lead(w3),
+                      *(jnp.zeros((1, 1, m, n), F64),) * 3)
+  out = decompile.weight_structure(nn.ElsaStack(params, use_bias=False), spec)
+  layer = out[0][0]
+  assert layer["kq_scale"] == pytest.approx(0.5)
+  assert layer["kq_identity_distance"] == pytest.approx(0.0, abs=1e-15)
+  assert layer["pv_y_to_out"] == pytest.approx(-0.2)
+  assert layer["pv_x_to_out_norm"] == 0.0
+  # A non-identity block is measured as such.
+  skew = params._replace(w3=lead(jnp.diag(jnp.asarray([0.5, 1.5, 0.0], F64))))
+  far = decompile.weight_structure(skew, spec)[0][0]
+  assert far["kq_scale"] == pytest.approx(1.0)
+  assert far["kq_identity_distance"] == pytest.approx(
+      np.sqrt(0.5) / np.sqrt(0.25 + 2.25))
+  with pytest.raises(ValueError, match="biases"):
+    decompile.weight_structure(nn.ElsaStack(params, use_bias=True), spec)
+
+
+def test_bad_arguments_are_refused():
+  model = decompile.from_compiled(_compiled("gd"), loops=2, lam=LAM, eta=0.1)
+  with pytest.raises(ValueError, match="families"):
+    decompile.identify(model, FIT_TASKS, TEST_TASKS, families=["sgd"])
+  with pytest.raises(ValueError, match="iterations"):
+    decompile.fit(model, decompile.FAMILIES["gd"], FIT_TASKS,
+                  iterations=(1, 2, 3))
+  with pytest.raises(TypeError, match="Family"):
+    decompile.fit(model, "gd", FIT_TASKS)
+  with pytest.raises(ValueError, match="x_query"):
+    decompile.fit(model, decompile.FAMILIES["gd"],
+                  FIT_TASKS._replace(y=FIT_TASKS.y[..., None]))
+  with pytest.raises(ValueError, match="predictions"):
+    decompile.fit(lambda t: t.x, decompile.FAMILIES["gd"], FIT_TASKS)
