@@ -94,10 +94,8 @@ def _trained(config, train_workdir: str, train_results: dict, name: str,
     return None
   point = (choice["learning_rate"], choice["init_scale"])
   index = train.grid(config.train).index(tuple(point))
-  split, _, _ = train.train_one(
-      config.train, name=name, depth=depth,
-      folder=os.path.join(train_workdir, "checkpoints", f"{name}_L{depth}"),
-      progress=common.Progress(0, name="restore"))
+  split = train.load_trained(config.train, train_workdir, name=name,
+                             depth=depth)
   params = jax.tree.map(lambda a: a[index], split.params)
   return training.merge(split.graphdef, params, split.rest)
 
@@ -234,8 +232,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   """
   validate(config)
   train_workdir = config.train_workdir or os.path.join(workdir, "train")
-  with common.claim_workdir(workdir, config, overwrite=overwrite,
-                            owned=("partial_*.json",)) as wd:
+  with common.claim_workdir(workdir, config, overwrite=overwrite) as wd:
     done = wd.read_json("results.json")
     if done is not None:
       logging.info("%s: results of this config exist; nothing to do.", workdir)

@@ -352,6 +352,52 @@ def _restore(manager, wd: common.Workdir, folder: str, state, losses):
           restored["losses"])
 
 
+def _checkpoints(name: str, depth: int) -> str:
+  return os.path.join("checkpoints", f"{name}_L{depth}")
+
+
+def _untrained(config, *, name: str, depth: int):
+  """``(split, tx, state, losses)`` before the first step: the grid's stacked
+  initial parameters, the optimiser, its state, and losses ``[G, steps]`` of
+  NaN."""
+  split = _init_grid(config, name=name, depth=depth)
+  tx = _optimizer(learning_rate=config.learning_rates[0], steps=config.steps,
+                  warmup_steps=config.warmup_steps,
+                  end_fraction=config.end_fraction, clip_norm=config.clip_norm)
+  state = distributed.to_host(training.grid_init_state(
+      split.params, tx,
+      learning_rates=jnp.asarray([lr for lr, _ in grid(config)])))
+  losses = np.full((len(grid(config)), config.steps), np.nan, DTYPE)
+  return split, tx, state, losses
+
+
+def load_trained(config, workdir: str, *, name: str, depth: int
+                 ) -> training.Split:
+  """``name`` at ``depth`` as a finished train run in ``workdir`` left it:
+  the split with parameters stacked over the grid, from its last checkpoint,
+  verified as this config's. Reads only.
+
+  Raises:
+    common.CorruptOutput: the checkpoint is missing, unfinished, damaged or
+      of another config.
+  """
+  split, _, state, losses = _untrained(config, name=name, depth=depth)
+  wd = common.Workdir(workdir, config)
+  folder = wd.path(_checkpoints(name, depth))
+  if not os.path.isdir(folder):
+    raise common.CorruptOutput(f"{folder!r} is missing: {workdir!r} holds no "
+                               f"trained {name} at depth {depth}.")
+  with ocp.CheckpointManager(os.path.abspath(folder),
+                             options=ocp.CheckpointManagerOptions(
+                                 create=False, read_only=True)) as manager:
+    step, state, _ = _restore(manager, wd, folder, state, losses)
+  if step != config.steps:
+    raise common.CorruptOutput(
+        f"{folder!r} holds step {step}, not the run's last ({config.steps}); "
+        "finish the train run first (rerun its command).")
+  return split._replace(params=state.params)
+
+
 def train_one(config, *, name: str, depth: int, wd: common.Workdir,
               progress: common.Progress, mesh, tracker: tracking.Tracker):
   """Trains (or resumes, or loads) one model over the whole grid, on ``mesh``,
@@ -367,15 +413,9 @@ def train_one(config, *, name: str, depth: int, wd: common.Workdir,
     ``[G, steps]`` and the seconds per step per grid point of the chunks
     after the first (which compiles); ``None`` if fewer than two chunks ran.
   """
-  split = _init_grid(config, name=name, depth=depth)
-  tx = _optimizer(learning_rate=config.learning_rates[0], steps=config.steps,
-                  warmup_steps=config.warmup_steps,
-                  end_fraction=config.end_fraction, clip_norm=config.clip_norm)
+  split, tx, state, losses = _untrained(config, name=name, depth=depth)
   points = grid(config)
-  state = distributed.to_host(training.grid_init_state(
-      split.params, tx, learning_rates=jnp.asarray([lr for lr, _ in points])))
-  losses = np.full((len(points), config.steps), np.nan, DTYPE)
-  checkpoints = os.path.join("checkpoints", f"{name}_L{depth}")
+  checkpoints = _checkpoints(name, depth)
   folder = wd.path(checkpoints)
   manager, start = None, None
   if distributed.is_writer():
