@@ -95,11 +95,11 @@ def gd_steps_to_tol(evals, coeffs, *, eta: float, tol: float,
   return hi
 
 
-def newton_decoder(form: Newton, *, lam: float, depth: int, mesh=None):
+def newton_decoder(form: Newton, *, lam: float, depth: int, mesh):
   """A jitted ``(x, y, xq, alpha) -> w`` after every layer, ``[B, 2 + depth + 1, d]``.
 
-  Batched over tasks and their ``alpha`` (traced: one compile per dtype);
-  with a ``mesh`` the tasks are split over it (host arrays in, numpy out,
+  Batched over tasks and their ``alpha`` (traced: one compile per dtype),
+  the tasks split over ``mesh`` (host arrays in, numpy out,
   :func:`experiments.distributed.put_tasks`).
   """
 
@@ -109,10 +109,8 @@ def newton_decoder(form: Newton, *, lam: float, depth: int, mesh=None):
     h0 = form.encode(x, y, x_query=xq)
     return form.decode_w(elsa.elsa_stack(params, h0, return_all=True))
 
-  decode = jax.jit(jax.vmap(states), out_shardings=None if mesh is None
-                   else distributed.replicated(mesh))
-  if mesh is None:
-    return decode
+  decode = jax.jit(jax.vmap(states),
+                   out_shardings=distributed.replicated(mesh))
   return lambda *args: distributed.take_tasks(
       decode(*distributed.put_tasks(args, mesh)), len(args[0]))
 

@@ -45,8 +45,8 @@ process 0 alone claims the workdir (which may delete an old run's files) and
 writes; every process runs the same chunks, each item on one device of the
 global mesh. The others wait for process 0's claim, and process 0's view of
 what is finished is broadcast, so all agree on the work left. The workdir
-must be on a filesystem every process sees (they read the finished files
-process 0 names).
+must be on a filesystem every process sees: they read the chunk files
+process 0 names (JSON outputs they get from process 0's reading).
 
 A cell (form, lam, eta) is ``diverged`` when ``eta`` is at or past the GD
 stability limit ``2 / (lambda_max(X^T X/N) + lam)`` of any of its tasks, or any
