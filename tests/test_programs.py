@@ -874,7 +874,7 @@ def programs_needing_rewrites(draw):
   return prog, blocks, draw(st.integers(2, 4)), needs
 
 
-@settings(max_examples=8)
+@settings(max_examples=6)
 @given(programs_needing_rewrites())
 def test_programs_needing_rewrites_compile_to_their_interpreter(case):
   prog, blocks, loops, needs = case

@@ -21,7 +21,9 @@ semantics the stack is checked against::
 
 Modules, one stage each: :mod:`~elsa.programs.language` (the language and
 which terms one component computes), :mod:`~elsa.programs.interpreter`
-(``run``), :mod:`~elsa.programs.layout` (the layout solver),
+(``run``), :mod:`~elsa.programs.rewrite` (helper blocks for the other
+products: hoisting, transposed inputs, split layers),
+:mod:`~elsa.programs.layout` (the layout solver),
 :mod:`~elsa.programs.codegen` (components), :mod:`~elsa.programs.compiler`
 (``compile``, ``Compiled``). BUILD_NOTES.md, "Matrix programs", derives the
 rules.

@@ -1,7 +1,8 @@
 """``compile``: a matrix program as an exact ELSA stack, with its token layout.
 
-Stages: :func:`elsa.programs.language.classify` (each term one component, or
-refused), :func:`elsa.programs.layout.solve` (token groups, rows, columns,
+Stages: :func:`elsa.programs.rewrite.plan` (each term one component, with
+helper blocks where needed, or refused),
+:func:`elsa.programs.layout.solve` (token groups, rows, columns,
 relocation of pinned inputs), :func:`elsa.programs.codegen.components` (the
 parameters of every layer). Each stage's output can be printed:
 ``print(compiled)`` shows the layout, ``compiled.components`` the component
