@@ -427,9 +427,9 @@ def test_forms_are_frozen_values():
 # Concrete values that cannot mean anything: refused by the parameter
 # builders (traced values pass unchecked, as elsa._validate documents).
 GD_BAD_SCALARS = [
-    (dict(lam=0.1, eta=np.inf), r"eta must be finite"),
+    (dict(lam=0.1, eta=np.inf), r"eta must be > 0, got inf; only finite"),
     (dict(lam=np.nan, eta=0.1), r"lam must be >= 0, got nan"),
-    (dict(lam=np.inf, eta=0.1), r"lam must be finite"),
+    (dict(lam=np.inf, eta=0.1), r"lam must be >= 0, got inf; only finite"),
     (dict(lam=-1.0, eta=0.1), r"lam must be >= 0, got -1"),
     (dict(lam=0.1, eta=0.0), r"eta must be > 0, got 0"),
     (dict(lam=0.1, eta=np.array([0.1, np.nan, 0.1])), r"eta must be > 0"),
@@ -450,13 +450,27 @@ def test_gd_params_refuse_concrete_scalars_out_of_range(form_cls, scalars,
 
 
 @pytest.mark.parametrize("scalars,pattern", [
-    (dict(lam=0.1, alpha=np.inf), r"alpha must be finite"),
+    (dict(lam=0.1, alpha=np.inf), r"alpha must be > 0, got inf; only finite"),
     (dict(lam=np.nan, alpha=0.1), r"lam must be >= 0, got nan"),
     (dict(lam=-1.0, alpha=0.1), r"lam must be >= 0, got -1"),
-    (dict(lam=np.inf, alpha=0.1), r"lam must be finite")])
+    (dict(lam=np.inf, alpha=0.1),
+     r"lam must be >= 0, got inf; only finite")])
 def test_newton_params_refuse_concrete_scalars_out_of_range(scalars, pattern):
   form = forms.Newton(n_train=4, d=2)
   for method, kwargs in (("newton_params", dict(depth=2)),
                          ("setup_params", {})):
     with pytest.raises(ValueError, match=rf"Newton\.{method}: " + pattern):
       getattr(form, method)(**scalars, **kwargs)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: forms.Natural(n_train=4, d=2).gd_params(lam=0.1, eta=0.1,
+                                                    depth=10**9),
+    lambda: forms.Designed(n_train=4, d=2).gd_basis(depth=10**9),
+    lambda: forms.Newton(n_train=4, d=2).newton_params(lam=0.1, alpha=0.1,
+                                                       depth=10**9),
+], ids=["natural_gd_params", "designed_gd_basis", "newton_params"])
+def test_a_depth_that_cannot_fit_is_refused_before_allocation(build):
+  # On main these returned at once and blocked, or failed, only when read.
+  with pytest.raises(ValueError, match=r"need at least .* GiB, more than"):
+    build()

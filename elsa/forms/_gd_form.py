@@ -114,7 +114,7 @@ class GDForm(TokenForm):
       TypeError: ``depth`` is not an int, or ``dtype`` is not floating.
     """
     lam, etas = self._schedule(lam=lam, eta=eta, depth=depth, dtype=dtype)
-    return self._jit("_gd_stack", lam, etas)
+    return self._jit("gd_params", "_gd_stack", lam, etas)
 
   def _gd_stack(self, lam: Array, etas: Array) -> ElsaParams:
     """The layers of :meth:`gd_params` from checked ``lam: []``, ``etas: [L]``."""
@@ -150,7 +150,7 @@ class GDForm(TokenForm):
     """
     self._check_int(self._name("gd_basis"), "depth", depth, low=1)
     dtype = self._float_dtype("gd_basis", dtype)
-    return self._jit("_gd_basis", depth=depth, dtype=dtype)
+    return self._jit("gd_basis", "_gd_basis", depth=depth, dtype=dtype)
 
   def gd_coefficients(self, *, lam, eta, depth: int, dtype=None) -> Array:
     r"""Per-column coefficients ``[depth, C, n]`` of :meth:`gd_basis`, the ``coeffs`` of :func:`elsa.elsa_stack`.
@@ -164,7 +164,7 @@ class GDForm(TokenForm):
     """
     lam, etas = self._schedule(lam=lam, eta=eta, depth=depth, dtype=dtype,
                                method="gd_coefficients")
-    return self._jit("_gd_coefficients", lam, etas)
+    return self._jit("gd_coefficients", "_gd_coefficients", lam, etas)
 
   def _gd_basis(self, *, depth: int, dtype) -> ElsaParams:
     """The layers of :meth:`gd_basis` (set by the subclass)."""

@@ -99,10 +99,23 @@ class TokenForm:
     stops = list(itertools.accumulate(sizes))
     return [block(stop - size, stop) for size, stop in zip(sizes, stops)]
 
-  def _jit(self, method: str, *args, **static):
+  def _jit(self, caller: str, method: str, *args, **static):
     """``self.method(*args, **static)`` under :func:`jax.jit`, ``self`` and the
-    keywords ``static`` (hashable, e.g. a depth) static."""
-    return _jitted(self, method, tuple(sorted(static.items())), *args)
+    keywords ``static`` (hashable, e.g. a depth) static.
+
+    What it returns is sized first (:func:`jax.eval_shape`, which traces
+    into the same cache as the call) and refused, naming ``caller``, if it
+    cannot fit the devices' memory: a huge depth would otherwise return at
+    once and fail, or block, only when read.
+    """
+    call = functools.partial(_jitted, self, method,
+                             tuple(sorted(static.items())))
+    nbytes = sum(leaf.size * leaf.dtype.itemsize
+                 for leaf in jax.tree.leaves(jax.eval_shape(call, *args)))
+    shapes = [np.shape(a) for a in jax.tree.leaves(args)]
+    _validate.fits_memory(self._name(caller), nbytes,
+                          {**static, "argument shapes": shapes})
+    return call(*args)
 
   # --- decoding ---------------------------------------------------------------
 
@@ -179,12 +192,7 @@ class TokenForm:
     """``ValueError`` unless a concrete ``value`` is finite and ``>= low``
     (``> low`` if ``strict``) everywhere; traced values pass
     (:mod:`elsa._validate`)."""
-    fn = self._name(method)
-    _validate.at_least(fn, arg, value, low=low, strict=strict)
-    found = _validate.concrete(value)
-    if found is not None and not np.all(np.isfinite(found)):
-      raise ValueError(f"{fn}: {arg} must be finite, got "
-                       f"{float(np.ravel(found[~np.isfinite(found)])[0]):g}.")
+    _validate.at_least(self._name(method), arg, value, low=low, strict=strict)
 
   def _scalars(self, method: str, dtype=None, **values) -> list[Array]:
     """``values`` as 0-d arrays of one floating dtype, in keyword order:

@@ -54,7 +54,7 @@ class Designed(GDForm):
     x, y, x_query, w0 = self._check_inputs(x, y, x_query, w0)
     if w0 is None:
       w0 = jnp.zeros((*x.shape[:-2], self.d, self.n_out), x.dtype)
-    return self._jit("_initial_state", x, y, x_query, w0)
+    return self._jit("encode", "_initial_state", x, y, x_query, w0)
 
   def _initial_state(self, x, y, x_query, w0) -> Array:
     return self._assemble(

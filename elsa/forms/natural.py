@@ -70,7 +70,7 @@ class Natural(GDForm):
           "with label 0 once x_q^T w0 != 0). Use elsa.forms.Designed for a "
           "nonzero start.")
     x, y, x_query, _ = self._check_inputs(x, y, x_query)
-    return self._jit("_initial_state", x, y, x_query)
+    return self._jit("encode", "_initial_state", x, y, x_query)
 
   def _initial_state(self, x, y, x_query) -> Array:
     zeros = lambda rows: jnp.zeros((*x.shape[:-2], rows, self.n_out), x.dtype)

@@ -120,7 +120,7 @@ class Newton(TokenForm):
       TypeError: ``x`` is not floating, or ``y``/``x_query`` has another dtype.
     """
     x, y, x_query, _ = self._check_inputs(x, y, x_query)
-    return self._jit("_initial_state", x, y, x_query)
+    return self._jit("encode", "_initial_state", x, y, x_query)
 
   def _initial_state(self, x, y, x_query) -> Array:
     zeros = lambda rows, cols: jnp.zeros((*x.shape[:-2], rows, cols), x.dtype)
@@ -240,7 +240,7 @@ class Newton(TokenForm):
     """The two set-up layers, leaves ``[2, C, ...]`` (arguments as :meth:`newton_params`)."""
     lam, alpha = self._lam_alpha("setup_params", lam=lam, alpha=alpha,
                                  dtype=dtype)
-    return self._jit("_setup_stack", lam, alpha)
+    return self._jit("setup_params", "_setup_stack", lam, alpha)
 
   def _setup_stack(self, lam: Array, alpha: Array) -> ElsaParams:
     """The layers of :meth:`setup_params` from checked scalars of one dtype."""
@@ -301,7 +301,8 @@ class Newton(TokenForm):
     self._check_int(self._name("newton_params"), "depth", depth, low=0)
     lam, alpha = self._lam_alpha("newton_params", lam=lam, alpha=alpha,
                                  dtype=dtype)
-    return self._jit("_newton_stack", lam, alpha, depth=depth)
+    return self._jit("newton_params", "_newton_stack", lam, alpha,
+                     depth=depth)
 
   def _newton_stack(self, lam: Array, alpha: Array, *, depth: int
                     ) -> ElsaParams:
