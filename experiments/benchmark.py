@@ -508,12 +508,13 @@ def _train_spec(c) -> training.TaskSpec:
 
 
 def _train_setup(name: str, depth: int, train_config):
-  """The model, task spec and optimiser the train driver builds for one grid point."""
+  """The model, task spec and optimiser the train driver builds for the first
+  point of its grid (first learning rate and init scale)."""
   c = train_config
   spec = _train_spec(c)
   switches = train.MODELS[name]
   model = training.init_model(
-      jax.random.key(c.seed), spec, depth=depth, components=c.components,
+      jax.random.fold_in(jax.random.key(c.seed), depth), spec, depth=depth, components=c.components,
       inner=c.inner, tied=c.tied, scale=c.init_scales[0],
       skip_init=switches["use_bias"] and c.skip_init, dtype=jnp.float32,
       **switches)
