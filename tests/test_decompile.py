@@ -246,10 +246,12 @@ def test_noisy_compiled_weights_are_still_identified(name, data):
                                   lam=LAM, **scalars)
   report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-3,
                               **QUICK)
-  # The true family fits best, within tol, and is the answer or tied with it
-  # (a family as simple that the noise lets within tol).
-  top = report.fits[0]
-  assert top.family == name and 1e-12 < top.disagreement < 1e-3
+  # The true family fits within tol and as well as any (a family containing
+  # it may fit the noise a little better), and it is the answer or tied with
+  # it (a family as simple that the noise lets within tol).
+  true = next(f for f in report.fits if f.family == name)
+  assert 1e-12 < true.disagreement < 1e-3
+  assert true.disagreement <= 2 * report.fits[0].disagreement
   assert report.best.family == name or name in report.ties
 
 
