@@ -11,7 +11,7 @@ from experiments import common
 from experiments import train
 from experiments.configs import train as train_config
 
-MODELS = ("elsa_trained", "lsa_trained", "lsa_residual_trained")
+MODELS = ("elsa_trained", "lsa_trained", "lsa_residual_trained", "elsa_masked")
 BASELINES = ("bayes_optimal", "gd_best_eta", "ridge", "elsa_constructed_gd",
              "least_squares", "zero")
 
