@@ -74,7 +74,7 @@ def _check_results(config, workdir: str, results: dict) -> None:
     model = train._init(config, name=name, depth=1, init_scale=0.03,
                         dtype=jnp.float32)
     mask = getattr(model, "key_mask", None)
-    if name == "lsa_residual_trained":
+    if name in ("lsa_residual_trained", "elsa_masked"):
       np.testing.assert_array_equal(
           np.asarray(mask[...]),
           np.arange(config.n_train + config.n_query + config.d)
