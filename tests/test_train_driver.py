@@ -126,7 +126,7 @@ def test_results_rerun_and_resume(tmp_path, monkeypatch):
   shutil.rmtree(os.path.join(workdir, "checkpoints", "elsa_trained_L1", "20"))
   resumed = train.run(config, workdir)
   # Progress counts grid-point steps: elsa from step 10, the others finished.
-  assert resumed_at == [10 * 2, 20 * 2, 20 * 2]
+  assert resumed_at == [10 * 2, 20 * 2, 20 * 2, 20 * 2]
   assert resumed["test_loss"] == results["test_loss"]
   assert resumed["train_loss"] == results["train_loss"]
   assert _checkpoints(workdir) == ["10", "20"]
