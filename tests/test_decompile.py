@@ -167,7 +167,8 @@ def _known(name, draw, mu_lo, mu_hi):
     eta = frac / mu_hi
     return _compiled(name), {"eta": eta}, {"eta": eta}
   if name in ("heavy_ball", "nesterov"):
-    eta, beta = frac / mu_hi, draw(st.floats(0.1, 0.6))
+    # beta >= 0.3: a weaker momentum is within the noise test's tol of GD.
+    eta, beta = frac / mu_hi, draw(st.floats(0.3, 0.6))
     return _compiled(name), {"eta": eta, "beta": beta}, {"eta": eta,
                                                          "beta": beta}
   if name == "chebyshev":
@@ -176,7 +177,9 @@ def _known(name, draw, mu_lo, mu_hi):
     return _compiled(name), {"eta": eta, "beta": beta}, {"mu_min": lo,
                                                          "mu_max": hi}
   if name == "preconditioned_gd":
-    a, b = draw(st.floats(0.3, 1.0)), draw(st.floats(-0.3, 0.3))
+    # |b| >= 0.1: a diagonal P is preconditioned_gd_diag, the simpler answer.
+    a, b = draw(st.floats(0.3, 1.0)), draw(st.sampled_from((-1, 1))) * draw(
+        st.floats(0.1, 0.3))
     P = ((a, b), (b, 1.0))
     eta = frac / (mu_hi * (1 + abs(b)))
     truth = {"P": eta * np.asarray(P)}
@@ -241,10 +244,15 @@ def test_noisy_compiled_weights_are_still_identified(name, data):
                        for leaf, k in zip(clean, keys)))
   model = decompile.from_compiled(compiled, loops=LOOPS, params=noisy,
                                   lam=LAM, **scalars)
-  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-5,
+  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-3,
                               **QUICK)
-  assert report.best is not None and report.best.family == name
-  assert 1e-12 < report.best.disagreement < 1e-5  # the noise shows, a little
+  # The true family fits within tol and as well as any (a family containing
+  # it may fit the noise a little better), and it is the answer or tied with
+  # it (a family as simple that the noise lets within tol).
+  true = next(f for f in report.fits if f.family == name)
+  assert 1e-12 < true.disagreement < 1e-3
+  assert true.disagreement <= 2 * report.fits[0].disagreement
+  assert report.best.family == name or name in report.ties
 
 
 def test_random_stack_is_no_family():

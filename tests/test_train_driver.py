@@ -11,7 +11,7 @@ from experiments import common
 from experiments import train
 from experiments.configs import train as train_config
 
-MODELS = ("elsa_trained", "lsa_trained", "lsa_residual_trained")
+MODELS = ("elsa_trained", "lsa_trained", "lsa_residual_trained", "elsa_masked")
 BASELINES = ("bayes_optimal", "gd_best_eta", "ridge", "elsa_constructed_gd",
              "least_squares", "zero")
 
@@ -74,7 +74,7 @@ def _check_results(config, workdir: str, results: dict) -> None:
     model = train._init(config, name=name, depth=1, init_scale=0.03,
                         dtype=jnp.float32)
     mask = getattr(model, "key_mask", None)
-    if name == "lsa_residual_trained":
+    if name in ("lsa_residual_trained", "elsa_masked"):
       np.testing.assert_array_equal(
           np.asarray(mask[...]),
           np.arange(config.n_train + config.n_query + config.d)
@@ -126,7 +126,7 @@ def test_results_rerun_and_resume(tmp_path, monkeypatch):
   shutil.rmtree(os.path.join(workdir, "checkpoints", "elsa_trained_L1", "20"))
   resumed = train.run(config, workdir)
   # Progress counts grid-point steps: elsa from step 10, the others finished.
-  assert resumed_at == [10 * 2, 20 * 2, 20 * 2]
+  assert resumed_at == [10 * 2, 20 * 2, 20 * 2, 20 * 2]
   assert resumed["test_loss"] == results["test_loss"]
   assert resumed["train_loss"] == results["train_loss"]
   assert _checkpoints(workdir) == ["10", "20"]
