@@ -4,8 +4,8 @@ Decompiles the models a ``train`` run trained (``config.train``, the train
 driver's config; its workdir is ``config.train_workdir``, default
 ``<workdir>/train``, trained first if it holds no results): every family of
 ``elsa.decompile.FAMILIES`` is fitted to every model at every depth and ranked
-on held-out tasks. About 10 minutes on 2 CPU cores after training (see
-BUILD_NOTES.md, "Decompiling trained stacks").
+on held-out tasks. The defaults are the settings of the figures in
+BUILD_NOTES.md, "Decompiling trained stacks".
 
 Variants (``--config=experiments/configs/decompile.py:NAME``):
 
@@ -35,8 +35,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.models = ()
   # Tasks of config.train's distribution: the fit on n_fit, every metric and
   # the ranking on n_test others (each a multiple of the local device count).
-  config.n_fit = 256
-  config.n_test = 512
+  config.n_fit = 64
+  config.n_test = 128
   # Families (names of elsa.decompile.FAMILIES; empty: all), the held-out
   # disagreement that counts as the same computation, the candidate
   # iterations per layer, and the optimiser (random starts, Adam steps,
@@ -44,9 +44,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.families = ()
   config.tol = 1e-3
   config.iterations = (1, 2)
-  config.restarts = 8
-  config.adam_steps = 200
-  config.lm_steps = 30
+  config.restarts = 4
+  config.adam_steps = 100
+  config.lm_steps = 20
   # The similarity map holds every layer against GD steps 0..this, at the
   # train run's validation-chosen step size.
   config.similarity_steps = 12
