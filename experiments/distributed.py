@@ -275,14 +275,6 @@ def run_main(argv, name: str, run, **kwargs):
 # --- sharding --------------------------------------------------------------
 
 
-def check_fits(per_device: float, *, fields: str) -> None:
-  """:func:`experiments.common.check_fits` of work split over devices:
-  ``per_device`` bytes on each of this process's devices (CPU devices share
-  the host's memory, so there they add up)."""
-  local = jax.local_device_count() if jax.default_backend() == "cpu" else 1
-  common.check_fits(per_device * local, fields=fields)
-
-
 def mesh(shape: Sequence[int] | None = None,
          axis_names: Sequence[str] = ("batch",)) -> Mesh:
   """A mesh over every device of every process (``shape``, whose product is

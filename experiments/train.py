@@ -216,29 +216,12 @@ def layout(config) -> tuple[int, int]:
   return groups, shards
 
 
-def bytes_per_device(config, shards: int) -> int:
-  """About what one device holds at once: a training step of one grid point
-  on its share of the batch (tokens and activations at every layer of every
-  component, kept for the backward pass, a few copies), or an evaluation
-  chunk of every model and baseline (unsharded)."""
-  form = _spec(config).model_tokens()
-  tokens = form.m * form.n
-  depth, parts = max(config.depths), config.components * 4
-  step = config.batch // shards * tokens * (depth + 1) * parts
-  evaluation = (min(config.eval_chunk, config.n_test) * tokens * (depth + 1)
-                * (len(config.models) + len(BASELINES)) * 4)
-  return 4 * (max(step, evaluation) + len(grid(config)) * tokens * parts)
-
-
 def check_devices(config) -> tuple[int, int]:
-  """:func:`validate`, then what depends on the devices: the :func:`layout`,
-  and memory per device (this process's devices). Returns the layout."""
+  """:func:`validate` (whose memory estimate, the whole run on this
+  process's smallest device, bounds any device's share), then the
+  :func:`layout` of the devices, which it returns."""
   validate(config)
-  groups, shards = layout(config)
-  distributed.check_fits(bytes_per_device(config, shards),
-                         fields="batch, depths, components, n_train, d, "
-                                "eval_chunk and the grid")
-  return groups, shards
+  return layout(config)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "tx",
