@@ -465,10 +465,10 @@ def test_newton_params_refuse_concrete_scalars_out_of_range(scalars, pattern):
 
 @pytest.mark.parametrize("build", [
     lambda: forms.Natural(n_train=4, d=2).gd_params(lam=0.1, eta=0.1,
-                                                    depth=10**9),
-    lambda: forms.Designed(n_train=4, d=2).gd_basis(depth=10**9),
+                                                    depth=10**8),
+    lambda: forms.Designed(n_train=4, d=2).gd_basis(depth=10**8),
     lambda: forms.Newton(n_train=4, d=2).newton_params(lam=0.1, alpha=0.1,
-                                                       depth=10**9),
+                                                       depth=10**8),
 ], ids=["natural_gd_params", "designed_gd_basis", "newton_params"])
 def test_a_depth_that_cannot_fit_is_refused_before_allocation(build):
   # On main these returned at once and blocked, or failed, only when read.
