@@ -85,6 +85,41 @@ def ridge_gd(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
   return prog
 
 
+def ridge_gd_natural(*, n_train: int, d: int, n_query: int = 1,
+                     n_out: int = 1) -> programs.Program:
+  r"""Gradient descent in the algebra of :class:`elsa.forms.Natural`: every prediction a state.
+
+  .. math::
+    w' = (1 - \eta\lambda) w + \tfrac{\eta}{N} X^\top (y - Xw), \qquad
+    (Xw)' = (1 - \eta\lambda) Xw + \tfrac{\eta}{N} X X^\top (y - Xw), \qquad
+    p' = (1 - \eta\lambda) p + \tfrac{\eta}{N} X_q X^\top (y - Xw),
+
+  from zero: ``Xw`` (the example predictions) and ``p = Xq w`` (the query
+  predictions) are updated with ``w`` instead of read out from it, so there
+  is no read-out layer, and all three decay alike, so the compiler lays them
+  out in one column. The query tokens move out of ``X``'s columns during the
+  first iteration (they meet ``p`` there, still zero), so layer ``t`` holds
+  GD step ``t``: ``compiled.read(hs, "w")[t] == ridge.gd(...)[t]``, the
+  layout of the hand form (BUILD_NOTES.md, "Matrix programs"). Scalars:
+  ``lam``, ``eta`` (a ``[loops]`` schedule allowed).
+  """
+  prog = programs.Program()
+  X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
+                             n_out=n_out)
+  N = n_train
+  w = prog.state("w", (d, n_out))
+  Xw = prog.state("Xw", (N, n_out))
+  lam, eta = prog.scalar("lam"), prog.scalar("eta")
+  decay = 1 - eta * lam
+  body = {w: decay * w + (eta / N) * (X.T @ y - X.T @ Xw),
+          Xw: decay * Xw + (eta / N) * (X @ X.T @ y - X @ X.T @ Xw)}
+  if Xq is not None:
+    p = prog.state("p", (n_query, n_out))
+    body[p] = decay * p + (eta / N) * (Xq @ X.T @ y - Xq @ X.T @ Xw)
+  prog.loop(body)
+  return prog
+
+
 def preconditioned_gd(*, n_train: int, d: int, preconditioner, n_query: int = 1,
                       n_out: int = 1) -> programs.Program:
   r"""GD with a constant preconditioner ``P`` ``[d, d]``: :math:`w' = w - \eta P (A w - b)`.

@@ -799,13 +799,15 @@ def test_a_split_loop_runs_its_layers_per_iteration_with_that_iteration_scalars(
     assert rel(ref["S"][2 * t + 2], s) < F64_RTOL
 
 
-# Sizes of programs that need no rewrite, as compiled before rewrites existed
-# (BUILD_NOTES.md, "Matrix programs"): N = 20, d = 5, Q = 3.
-UNREWRITTEN_SIZES = {"ridge_gd": (28, 14, 3, 1), "newton_schulz": (28, 23, 3, 2)}
+# Sizes of programs that need no rewrite (BUILD_NOTES.md, "Matrix programs"):
+# N = 20, d = 5, Q = 3. ridge_gd shares one column between w and r (before
+# compact layouts: 28 x 14); newton_schulz cannot share a column without a
+# fourth component, so it keeps the layout it had before compaction.
+UNREWRITTEN_SIZES = {"ridge_gd": (28, 13, 3, 1), "newton_schulz": (28, 23, 3, 2)}
 
 
 @pytest.mark.parametrize("name", list(UNREWRITTEN_SIZES))
-def test_programs_that_need_no_rewrite_compile_as_before(name):
+def test_programs_that_need_no_rewrite_compile_without_one(name):
   from elsa import algorithms
   compiled = programs.compile(getattr(algorithms, name)(n_train=20, d=5,
                                                         n_query=3))
@@ -813,6 +815,191 @@ def test_programs_that_need_no_rewrite_compile_as_before(name):
   assert "rewrites" not in str(compiled)
   assert (compiled.m, compiled.n, compiled.width,
           compiled.setup_layers) == UNREWRITTEN_SIZES[name]
+
+
+def test_a_program_that_cannot_share_columns_keeps_the_uncompacted_layout():
+  """Newton-Schulz: every share would need a fourth component (a carried
+  block beside an assigned one in the init layer), so the compiled layout is
+  the one :func:`layout.solve` gives before compaction, block for block."""
+  from elsa import algorithms
+  from elsa.programs import layout as layout_lib, rewrite
+  prog = algorithms.newton_schulz(n_train=20, d=5, n_query=3)
+  plan = rewrite.plan(prog)
+  solved, _, _ = layout_lib.solve(plan.program, plan.stages)
+  compiled = programs.compile(prog)
+  assert compiled.layout == solved.as_data()
+  assert (compiled.m, compiled.n) == (solved.m, solved.n) == (28, 23)
+  assert "shared columns" not in str(compiled)
+
+
+# --- compact layouts: Natural's algebra -------------------------------------------
+
+
+def test_natural_ridge_gd_compiles_to_the_natural_form_exactly():
+  """``algorithms.ridge_gd_natural``: the size of ``forms.Natural`` (m, n,
+  components per layer, no set-up layer) and its iterates at every layer;
+  the programs' reference and plain GD at every layer."""
+  from elsa import algorithms
+  N, d, Q, L, lam = 20, 5, 3, 30, 0.1
+  rng = np.random.default_rng(60)
+  x, yv, xq = (rng.normal(size=(N, d)), rng.normal(size=(N, 1)),
+               rng.normal(size=(Q, d)))
+  eta = 0.9 * float(ridge.stability_limit(x, lam=lam))
+  form = elsa.forms.Natural(n_train=N, d=d, n_query=Q, n_out=1)
+  prog = algorithms.ridge_gd_natural(n_train=N, d=d, n_query=Q)
+  compiled = programs.compile(prog)
+  form_params = form.gd_params(lam=lam, eta=eta, depth=L)
+  params = compiled.params(loops=L, lam=lam, eta=eta)
+  assert (compiled.m, compiled.n, compiled.setup_layers) == (form.m, form.n, 0)
+  assert params.w1.shape[:2] == form_params.w1.shape[:2] == (L, 3)
+  text = str(compiled)
+  assert "shared columns (blocks on other tokens): w/Xw/p" in text
+  assert "moved home by the first iteration of the loop" in text
+  hs = elsa.elsa_stack(params, compiled.encode(X=x, y=yv, Xq=xq),
+                       return_all=True)
+  hand = elsa.elsa_stack(form_params, form.encode(x, yv, x_query=xq),
+                         return_all=True)
+  assert rel(compiled.read(hs, "w"), form.decode_w(hand)[..., None]) < 1e-12
+  assert rel(compiled.read(hs, "p")[1:], form.decode_pred(hand)[1:, :, None]
+             ) < 1e-12
+  assert rel(compiled.read(hs, "w"), ridge.gd(x, yv, lam=lam, eta=eta, steps=L)
+             ) < F64_RTOL
+  ref = programs.run(prog, loops=L, X=x, y=yv, Xq=xq, lam=lam, eta=eta)
+  assert_every_layer(compiled, hs, ref, F64_RTOL, skip_layers={"Xq": 1})
+  # The first iteration meets the queries in X's columns, where p is zero.
+  with pytest.raises(ValueError, match=r"p starts at zero: the compact "
+                     r"layout uses its cells"):
+    compiled.encode(X=x, y=yv, Xq=xq, p=np.ones((Q, 1)))
+
+
+def test_a_first_iteration_that_moves_inputs_needs_loops_of_at_least_one():
+  """With a layer after the loop, loops=0 would leave the queries where they
+  were encoded: params and run refuse alike."""
+  prog = programs.Program()
+  X = prog.input("X", (4, 2), at=(range(4), range(2)))
+  Xq = prog.input("Xq", (1, 2), at=([4], range(2)))
+  y = prog.input("y", (4, 1), at=(range(4), [2]))
+  w, p = prog.state("w", (2, 1)), prog.state("p", (1, 1))
+  Xw = prog.state("Xw", (4, 1))
+  # In the first iteration W3 reads X's columns on every row: X X^T y on
+  # the examples is Xq X^T y's company there.
+  prog.loop({w: 0.5 * w + X.T @ y, Xw: 0.5 * Xw + X @ X.T @ y,
+             p: 0.5 * p + Xq @ X.T @ y})
+  prog.layer({p: Xq @ w})
+  compiled = programs.compile(prog)
+  assert compiled._layout.peeled and compiled.setup_layers == 0
+  blocks = dict(X=np.ones((4, 2)), Xq=np.ones((1, 2)), y=np.ones((4, 1)))
+  for call in (lambda: compiled.params(loops=0),
+               lambda: programs.run(prog, loops=0, **blocks)):
+    with pytest.raises(ValueError, match=r"first iteration of the loop also "
+                       r"moves the pinned inputs home"):
+      call()
+  hs = elsa.elsa_stack(compiled.params(loops=2), compiled.encode(**blocks),
+                       return_all=True)
+  assert_every_layer(compiled, hs, programs.run(prog, loops=2, **blocks),
+                     F64_RTOL, skip_layers={"Xq": 1})
+
+
+def numpy_run(prog, loops, blocks, scalars):
+  """The program on numpy arrays, independently of ``programs.run``: every
+  block after every stage of the program (a loop once per iteration)."""
+  values = {b.name: np.asarray(blocks.get(b.name, np.zeros(b.shape)), float)
+            for b in prog.blocks.values()}
+
+  def term(t):
+    out = None
+    for f in t.factors:
+      x = f.const if f.block is None else values[f.block.name]
+      x = x.T if f.block is not None and f.transposed else x
+      out = x if out is None else out @ x
+    return t.coef.value(scalars) * out
+
+  out = [dict(values)]
+  for stage in prog.stages:
+    for _ in range(loops if stage.repeat else 1):
+      new = {b.name: sum(term(t) for t in e.terms) for b, e in stage.assignments}
+      values.update(new)
+      out.append(dict(values))
+  return out
+
+
+@st.composite
+def natural_programs(draw):
+  """Programs from the natural tokens (``X``, ``y``, ``Xq`` pinned, ``Xq`` in
+  ``X``'s columns) whose states ``w`` (weights rows), ``Xw`` (example rows)
+  and ``p`` (query rows) may share a column: each state's skip coefficient
+  is drawn (equal ones let the column mix serve the shared column), and its
+  terms from what lands on its tokens. Sometimes a layer before the loop (no
+  first-iteration move) or after it. Returns ``(prog, blocks, scalars,
+  loops)``."""
+  N, d, Q = draw(st.integers(3, 6)), draw(st.integers(1, 3)), draw(
+      st.integers(1, 2))
+  rng = np.random.default_rng(draw(st.integers(0, 2 ** 31 - 1)))
+  prog = programs.Program()
+  X = prog.input("X", (N, d), at=(range(N), range(d)))
+  y = prog.input("y", (N, 1), at=(range(N), [d]))
+  Xq = prog.input("Xq", (Q, d), at=(range(N, N + Q), range(d)))
+  w, Xw, p = (prog.state(n, s) for n, s in (("w", (d, 1)), ("Xw", (N, 1)),
+                                            ("p", (Q, 1))))
+  s = prog.scalar("s")
+  skips = [1 - 0.3 * s, 1 - 0.3 * s, 0.5]
+  menu = {w: [X.T @ y, X.T @ Xw], Xw: [X @ X.T @ y, X @ X.T @ Xw, X @ w],
+          p: [Xq @ X.T @ y, Xq @ X.T @ Xw, Xq @ w]}
+  body = {}
+  for state, terms in menu.items():
+    expr = draw(st.sampled_from(skips)) * state
+    for t in terms:
+      if draw(st.booleans()):
+        expr = expr + draw(st.sampled_from([0.2, -0.3, 0.1 * s])) / N * t
+    body[state] = expr
+  where = draw(st.sampled_from(["loop only", "layer before", "layer after"]))
+  if where == "layer before":
+    prog.layer({w: X.T @ y / N})
+  prog.loop(body)
+  if where == "layer after":
+    prog.layer({p: Xq @ w})
+  blocks = dict(X=rng.normal(size=(N, d)), y=rng.normal(size=(N, 1)),
+                Xq=rng.normal(size=(Q, d)))
+  return prog, blocks, {"s": rng.uniform(0.5, 1.5)}, draw(st.integers(1, 4))
+
+
+@settings(max_examples=8, deadline=None)
+@given(natural_programs())
+def test_natural_programs_with_shared_columns_equal_run_and_numpy(case):
+  prog, blocks, scalars, loops = case
+  compiled = programs.compile(prog)
+  hs = elsa.elsa_stack(compiled.params(loops=loops, **scalars),
+                       compiled.encode(**blocks), return_all=True)
+  ref = programs.run(prog, loops=loops, **blocks, **scalars)
+  assert_every_layer(compiled, hs, ref, F64_RTOL, skip_layers={"Xq": 1})
+  mine = numpy_run(prog, loops, blocks, scalars)
+  for name in ("w", "Xw", "p"):
+    got = compiled.read(hs, name)
+    # The stack's layers are the program's (no set-up layer but the
+    # relocation, whose layer changes no block).
+    got = got[compiled.relocation_layers:]
+    assert rel(got[0], mine[0][name]) == 0
+    for t in range(1, len(mine)):
+      assert rel(got[t], mine[t][name]) <= F64_RTOL, (name, t)
+
+
+def test_natural_programs_share_columns_and_move_in_the_first_iteration():
+  """The generator above is not vacuous: its programs share columns, some
+  move the queries during the first iteration, some need a correction."""
+  seen = set()
+
+  @settings(max_examples=25, deadline=None)
+  @given(natural_programs())
+  def collect(case):
+    compiled = programs.compile(case[0])
+    text = str(compiled)
+    seen.add("shared" if "shared columns" in text else "unshared")
+    seen.add("peeled" if compiled._layout.peeled else "not peeled")
+    if any(k == "copy" for kinds in compiled.components[1:] for k in kinds):
+      seen.add("copy after the first layer")
+
+  collect()
+  assert {"shared", "unshared", "peeled", "not peeled"} <= seen, seen
 
 
 @st.composite

@@ -4,14 +4,29 @@ Each term becomes one component that keeps exactly its term of the eight-term
 expansion of ``(hW3 + B3)(hW1 + B1)^T(hW2 + B2)``; the selectors and
 placements are fixed 0/1 matrices (numpy, built once) and the term's
 coefficient scales one leaf, so runtime scalars stay traced and the fixed
-leaves are shared by every scalar value of a sweep. Two families merge into
-one component per layer:
+leaves are shared by every scalar value of a sweep. Components then merge:
 
 * the *column mix* ``h -> h D`` (:func:`elsa.constructions.linear` with
-  ``P = I``): carries inputs and unassigned states, and every term
-  ``c * A @ Q`` whose target sits on ``A``'s tokens and whose ``A`` owns its
-  columns (a skip ``(1 - eta lam) w``, a copy ``eta lam y -> r``);
-* the constants (:func:`elsa.constructions.constant`).
+  ``P = I``) carries inputs and unassigned states, moves pinned inputs home,
+  and takes every term ``c * A @ Q`` whose target sits on ``A``'s tokens (a
+  skip ``(1 - eta lam) w``, a copy ``eta lam y -> r``). ``D`` acts on whole
+  columns, so where blocks on different tokens share columns and need
+  different mixes (a carried block and an assigned one, a moved input and
+  the block it leaves), ``D`` serves the larger token group and a
+  *correction* on the other's tokens (``rows_linear``, one component) adds
+  the difference;
+* the constants (:func:`elsa.constructions.constant`);
+* the other terms, one component each, then summed where the output is
+  linear: it is ``(hW3 + B3)(hW1 + B1)^T(hW2 + B2)``, linear in each factor,
+  so components equal in two factors add in the third (equal first and
+  second factors: the ``W2``/``B2`` parts add, ``X^T r`` into ``w`` and into
+  ``v``; equal second and third: the first factors join, ``X X^T r`` on the
+  example rows and ``Xq X^T r`` on the query rows become one ``W3``). A
+  component equal in all three to one written for another block on other
+  tokens of the same columns computes both at once and is kept once.
+
+:func:`apply` evaluates a layer's components on numpy tokens, which is how
+:mod:`elsa.programs.compact` verifies every layer of a layout.
 """
 
 from __future__ import annotations
@@ -26,6 +41,9 @@ from elsa import constructions
 from elsa.attention import ElsaParams
 from elsa.programs.language import Classified, Scalar
 from elsa.programs.layout import Layout, Placement, Step
+
+# The three factors of a component, each a (weight, bias) pair of leaves.
+_FIRST, _SECOND, _THIRD = ("w3", "b3"), ("w1", "b1"), ("w2", "b2")
 
 
 def _columns(n: int, cols) -> np.ndarray:
@@ -53,6 +71,7 @@ class Component:
   ``kind`` ``"mix"`` and ``"constant"`` build their leaves from the summed
   matrix through :mod:`elsa.constructions`; every other kind is
   ``ElsaParams`` with ``fixed`` leaves and the sum in leaf ``scaled``.
+  ``targets``: the blocks whose terms it computes.
   """
   kind: str
   k: int = 0
@@ -60,19 +79,70 @@ class Component:
   scaled: str = ""
   parts: list = dataclasses.field(default_factory=list)  # (base, Scalar)
   base: Any = None  # the part without a coefficient (mix: the carries)
+  targets: frozenset = frozenset()
 
-  def params(self, values: Mapping, *, m: int, n: int, dtype) -> ElsaParams:
-    total = None if self.base is None else jnp.asarray(self.base, dtype)
+  def total(self, values: Mapping, dtype=None):
+    """The summed leaf: jax arrays of ``dtype``, or numpy if ``dtype`` is None."""
+    cast = np.asarray if dtype is None else (lambda a: jnp.asarray(a, dtype))
+    total = None if self.base is None else cast(self.base)
     for base, coef in self.parts:
-      term = jnp.asarray(coef.value(values), dtype) * jnp.asarray(base, dtype)
+      term = cast(coef.value(values)) * cast(base)
       total = term if total is None else total + term
+    return total
+
+  def leaves(self, m: int, n: int):
+    """``(k, fixed, leaf, embed)``: inner width, the fixed leaves, the leaf
+    that holds the summed matrix and how it is placed there (numpy).
+
+    The mix ``h -> h D`` is :func:`elsa.constructions.linear`'s ``P = I``
+    route (``(h W3)(B1^T B2)`` with ``B2 = [D; 0]`` when ``m >= n``, else
+    ``B3 B1^T (h W2)`` with ``W2 = D``), a constant ``c`` is
+    :func:`elsa.constructions.constant`'s (``B3 B1^T B2``, ``c`` in ``B3``
+    or ``B2``): both are linear in the summed matrix, like every other kind.
+    """
+    same = lambda a: a
     if self.kind == "mix":
-      return constructions.linear(None, total, m=m)
+      if m >= n:
+        return (n, dict(w3=np.eye(n), b1=np.eye(m, n)), "b2",
+                lambda a: np.concatenate([a, np.zeros((m - n, n))]))
+      return m, dict(b3=np.eye(m), b1=np.eye(m)), "w2", same
     if self.kind == "constant":
-      return constructions.constant(total, n)
-    p = ElsaParams.zeros(m=m, n=n, k=self.k, dtype=dtype)
-    fixed = {leaf: jnp.asarray(a, dtype) for leaf, a in self.fixed.items()}
-    return p._replace(**fixed, **{self.scaled: total})
+      if n <= m:
+        return n, dict(b1=np.eye(m, n), b2=np.eye(m, n)), "b3", same
+      return m, dict(b3=np.eye(m), b1=np.eye(m)), "b2", same
+    return self.k, dict(self.fixed), self.scaled, same
+
+  def summed_parts(self) -> dict:
+    """``{coefficient text: summed base}``: the scaled leaf as data."""
+    out = {}
+    for base, coef in self.parts:
+      out[coef.text] = out.get(coef.text, 0) + np.asarray(base)
+    return out
+
+
+def apply(parts: list[Component], h: np.ndarray, values: Mapping
+          ) -> np.ndarray:
+  """One layer on numpy tokens ``h [m, n]``, float runtime scalars ``values``."""
+  out = np.zeros_like(h)
+  for c in parts:
+    total = c.total(values)
+    if c.kind == "mix":
+      out += h @ total
+      continue
+    if c.kind == "constant":
+      out += total
+      continue
+    leaves = dict(c.fixed, **{c.scaled: total})
+
+    def factor(pair):
+      w, b = (leaves.get(leaf) for leaf in pair)
+      value = 0 if w is None else h @ w
+      return value + (0 if b is None else b)
+
+    first, second, third = (factor(p) for p in (_FIRST, _SECOND, _THIRD))
+    out += np.broadcast_to(first, (h.shape[0], c.k)) @ (
+        np.broadcast_to(second, (h.shape[0], c.k)).T @ third)
+  return out
 
 
 def _eye_or(matrix, size: int) -> np.ndarray:
@@ -121,80 +191,268 @@ def _product(c: Classified, target: Placement, before: dict, m: int,
   raise AssertionError(c.kind)
 
 
-def _owns_columns(p: Placement, name: str, before: dict) -> bool:
-  """Whether no other block has a cell in ``p``'s columns on other rows."""
-  rows = set(p.rows)
-  return not any(o != name and set(q.cols) & set(p.cols) and set(q.rows) - rows
-                 for o, q in before.items())
+# --- the column mix -------------------------------------------------------------
 
 
-def components(step: Step, layout: Layout) -> list[Component]:
-  """The components of one planned layer: the column mix first, then the rest."""
+class _Mix:
+  """A linear combination ``sum_text coef * base`` of ``[n, n]`` matrices."""
+
+  def __init__(self, n: int):
+    self.n, self.coefs, self.bases = n, {}, {}
+
+  def add(self, coef: Scalar, rows, cols, block: np.ndarray) -> None:
+    if coef.text not in self.bases:
+      self.coefs[coef.text] = coef
+      self.bases[coef.text] = np.zeros((self.n, self.n))
+    self.bases[coef.text][np.ix_(list(rows), list(cols))] += block
+
+
+def _mix_wanted(step: Step, m: int, n: int, zero) -> list:
+  """``[(rows, present, wanted)]`` per token group: the columns that may be
+  nonzero on those rows before the layer (``present``, as a mask; blocks in
+  ``zero`` left out) and the mix ``wanted`` there (rows of ``present``)."""
+  before, after = step.before, step.after
+  assigned = {block.name for block, _ in step.stage.assignments}
+  groups = {}
+  for name, p in list(before.items()) + list(after.items()):
+    groups.setdefault(p.rows, [np.zeros(n, bool), _Mix(n)])
+  for name, p in before.items():
+    if name not in zero:
+      groups[p.rows][0][list(p.cols)] = True
+  for name, p in after.items():
+    if name in assigned or name in zero:
+      continue
+    old = before[name]
+    groups[old.rows][1].add(Scalar.of(1), old.cols, p.cols,
+                            np.eye(len(p.cols)))
+  for block, c in step.terms:
+    if _in_mix(c, block, before, after):
+      source = before[c.blocks[0][0].name]
+      target = after[block.name]
+      groups[target.rows][1].add(c.coef, source.cols, target.cols,
+                                 _eye_or(c.Q, len(source.cols)))
+  order = sorted(groups, key=lambda rows: (-len(rows), rows))
+  return [(rows, *groups[rows]) for rows in order]
+
+
+def _in_mix(c: Classified, block, before, after) -> bool:
+  """A copy ``c * A @ Q`` onto ``A``'s own tokens: one column of ``D``."""
+  return (c.kind == "copy" and c.P is None
+          and before[c.blocks[0][0].name].rows == after[block.name].rows)
+
+
+def _column_mix(step: Step, m: int, n: int, zero) -> list[Component]:
+  """The column mix and the corrections on the token groups it cannot serve.
+
+  Groups in order of size (largest first) fix the entries of ``D`` on the
+  columns present on their rows; a later group that agrees with what is
+  fixed (if need be only once its blocks in ``zero``, known to be zero
+  before the layer, are left out) fixes its own too, one that does not gets
+  a correction ``rows_linear`` on its rows.
+  """
+  mix, fixed = _Mix(n), np.zeros((n, n), bool)
+  wanted = _mix_wanted(step, m, n, frozenset())
+  wanted_zero = {rows: present for rows, present, _ in
+                 _mix_wanted(step, m, n, zero)}
+  corrections = []
+  for rows, present, want in wanted:
+    for mask in (present, wanted_zero[rows]):
+      if _agrees(mix, fixed, want, mask):
+        for text, base in want.bases.items():
+          mix.coefs.setdefault(text, want.coefs[text])
+          mix.bases.setdefault(text, np.zeros((n, n)))
+        for text, base in mix.bases.items():
+          new = want.bases.get(text, np.zeros((n, n)))
+          base[mask] = new[mask]
+        fixed[mask] = True
+        break
+    else:
+      corrections.append((rows, present, want))
+  out = []
+  for rows, present, want in corrections:
+    parts = []
+    for text in sorted(set(want.bases) | set(mix.bases)):
+      diff = (want.bases.get(text, 0) - mix.bases.get(text, 0)) * present[:, None]
+      if np.any(diff):
+        parts.append((diff, want.coefs.get(text) or mix.coefs[text]))
+    if parts:
+      eye = np.eye(len(rows))
+      out.append(Component("copy", k=len(rows), scaled="w2", parts=parts,
+                           fixed=dict(b1=_on_rows(m, rows, eye),
+                                      b3=_on_rows(m, rows, eye))))
+  carries = mix.bases.pop("1", np.zeros((n, n)))
+  return [Component("mix", base=carries, parts=[
+      (base, mix.coefs[t]) for t, base in mix.bases.items()])] + out
+
+
+def _agrees(mix: _Mix, fixed: np.ndarray, want: _Mix, present) -> bool:
+  """Whether ``want`` equals ``mix`` on the fixed entries of the rows ``present``."""
+  mask = fixed & present[:, None]
+  for text in set(mix.bases) | set(want.bases):
+    a = mix.bases.get(text)
+    b = want.bases.get(text)
+    a = np.zeros_like(mask, float) if a is None else a
+    b = np.zeros_like(mask, float) if b is None else b
+    if not np.array_equal(a[mask], b[mask]):
+      return False
+  return True
+
+
+# --- the layer --------------------------------------------------------------------
+
+
+def components(step: Step, layout: Layout, zero=frozenset()) -> list[Component]:
+  """The components of one planned layer: the column mix first, then the rest.
+
+  ``zero``: blocks known to be zero before the layer (zero-initialised states
+  not yet written), whose cells the column mix may leave to other blocks.
+  """
   m, n = layout.m, layout.n
   before, after = step.before, step.after
-  carry = np.zeros((n, n))
-  assigned = {block.name for block, _ in step.stage.assignments}
-  moved = {b.name for b in step.moves}
-  for name, p in before.items():
-    if name not in assigned and name not in moved:
-      carry[p.cols, p.cols] = 1  # set, not add: pinned inputs share columns
-  mix = Component("mix", base=carry)
+  mix = _column_mix(step, m, n, zero)
   constant = Component("constant")
   out = []
-  for block in step.moves:
-    # rows_linear on the moved input's tokens: copy to its home, and cancel
-    # what the carry keeps in the columns it shared.
-    old, new = before[block.name], after[block.name]
-    cancel = np.diag(carry)[list(old.cols)][:, None] * np.eye(len(old.cols))
-    q = _in_cells((n, n), old.cols, new.cols, np.eye(len(old.cols)))
-    q -= _in_cells((n, n), old.cols, old.cols, cancel)
-    out.append(Component("copy", k=len(old.rows), scaled="w2",
-                         fixed=dict(b1=_on_rows(m, old.rows,
-                                                np.eye(len(old.rows))),
-                                    b3=_on_rows(m, old.rows,
-                                                np.eye(len(old.rows)))),
-                         parts=[(q, Scalar.of(1))]))
   for block, c in step.terms:
     target = after[block.name]
     if c.kind == "constant":
       constant.parts.append((_in_cells((m, n), target.rows, target.cols, c.P),
                              c.coef))
       continue
-    if c.kind == "copy" and c.P is None:
-      source = before[c.blocks[0][0].name]
-      if (source.rows == target.rows
-          and _owns_columns(source, c.blocks[0][0].name, before)):
-        Q = _eye_or(c.Q, len(source.cols))
-        mix.parts.append((_in_cells((n, n), source.cols, target.cols, Q),
-                          c.coef))
-        continue
-    out.append(_product(c, target, before, m, n))
-  return [mix] + ([constant] if constant.parts else []) + _merged(out)
+    if _in_mix(c, block, before, after):
+      continue
+    part = _product(c, target, before, m, n)
+    part.targets = frozenset([block.name])
+    out.append(part)
+  return mix[:1] + ([constant] if constant.parts else []) + _merged(
+      mix[1:] + out)
+
+
+def _equal_leaves(a: Component, b: Component, leaves) -> bool:
+  return all((leaf in a.fixed) == (leaf in b.fixed) and (
+      leaf not in a.fixed or np.array_equal(a.fixed[leaf], b.fixed[leaf]))
+             for leaf in leaves)
+
+
+def _equal_parts(a: Component, b: Component) -> bool:
+  pa, pb = a.summed_parts(), b.summed_parts()
+  return a.scaled == b.scaled and pa.keys() == pb.keys() and all(
+      np.array_equal(pa[t], pb[t]) for t in pa)
 
 
 def _merged(parts: list[Component]) -> list[Component]:
-  """Components that differ only in their scaled leaf, summed into one.
+  """Components summed where their output is linear (module doc).
 
-  The output of a component is linear in its scaled leaf (``W2`` or ``B2``),
-  so terms that read the same blocks through the same selectors (``X^T r``
-  into ``w`` and into ``v``; ``X X^T r`` and ``X X^T u``) add exactly.
+  First, a component equal in every leaf to one written for another block
+  is dropped (the kept one computes both: they share columns, so it reads
+  each block's left factor on its own tokens). Then components equal in the
+  first and second factors add their third (``W2`` or ``B2``); then
+  components equal in the second and third join their first: ``W3`` are 0/1
+  column selectors and join as a union (a column read for two blocks is
+  read once, on each block's tokens), ``B3`` place rows and add.
   """
   out = []
   for part in parts:
-    for kept in out:
-      if (kept.kind == part.kind and kept.scaled == part.scaled
-          and kept.fixed.keys() == part.fixed.keys()
-          and all(np.array_equal(kept.fixed[k], part.fixed[k])
-                  for k in kept.fixed)):
-        kept.parts.extend(part.parts)
-        break
+    same = next((kept for kept in out
+                 if kept.targets and part.targets
+                 and not kept.targets & part.targets and kept.k == part.k
+                 and _equal_leaves(kept, part, _FIRST + _SECOND)
+                 and _equal_parts(kept, part)), None)
+    if same is not None:
+      same.targets |= part.targets
+      continue
+    out.append(part)
+  summed = []
+  for part in out:
+    same = next((kept for kept in summed
+                 if kept.scaled == part.scaled and kept.k == part.k
+                 and _equal_leaves(kept, part, _FIRST + _SECOND)), None)
+    if same is None:
+      summed.append(part)
     else:
-      out.append(part)
-  return out
+      same.parts.extend(part.parts)
+      same.targets |= part.targets
+  joined = []
+  for part in summed:
+    same = next((kept for kept in joined
+                 if kept.k == part.k and _equal_leaves(kept, part, _SECOND)
+                 and _equal_parts(kept, part)), None)
+    if same is None:
+      joined.append(part)
+      continue
+    if "w3" in part.fixed:
+      same.fixed["w3"] = (np.maximum(same.fixed["w3"], part.fixed["w3"])
+                          if "w3" in same.fixed else part.fixed["w3"])
+      same.kind = part.kind
+    if "b3" in part.fixed:
+      same.fixed["b3"] = same.fixed.get("b3", 0) + part.fixed["b3"]
+    same.targets |= part.targets
+  return joined
 
 
-def layer_params(parts: list[Component], values: Mapping, *, m: int, n: int,
-                 dtype) -> ElsaParams:
-  """One layer's ``ElsaParams``, leaves ``[C, ...]``."""
-  return constructions.layer(*(c.params(values, m=m, n=n, dtype=dtype)
-                               for c in parts))
+_SHAPES = {"w1": "nk", "w3": "nk", "w2": "nn", "b1": "mk", "b3": "mk",
+           "b2": "mn"}
+
+
+@dataclasses.dataclass
+class LayerTable:
+  """One layer's leaves as data: ``fixed + sum_t coef_t * bases[t]``.
+
+  ``fixed`` and every ``bases[t]`` are ``ElsaParams`` of numpy arrays
+  ``[C, ...]`` (inner width ``k``, padded with zeros: exact); ``coefs[t]``
+  the runtime-scalar coefficient of basis ``t``. Building a stack is then a
+  handful of array operations per layer, however many terms it has, and
+  the coefficients may be traced or carry a leading axis (one value per
+  loop iteration).
+  """
+  fixed: ElsaParams
+  coefs: list
+  bases: list
+
+  def at(self, values: Mapping, batch: tuple, dtype) -> ElsaParams:
+    """Leaves ``[*batch, C, ...]`` for scalar ``values`` of shape ``batch``.
+
+    ``dtype=None``: numpy float64 (concrete values, one transfer per leaf
+    later instead of a dispatch per operation); else jax arrays of ``dtype``
+    (the values may be traced).
+    """
+    xp = np if dtype is None else jnp
+    cast = (lambda a: np.asarray(a, np.float64)) if dtype is None else (
+        lambda a: jnp.asarray(a, dtype))
+    out = [xp.broadcast_to(cast(a), (*batch, *a.shape)) for a in self.fixed]
+    if self.coefs:
+      c = xp.stack([xp.broadcast_to(cast(s.value(values)), batch)
+                    for s in self.coefs], axis=-1)
+      out = [o + xp.tensordot(c, cast(np.stack(b)), axes=1)
+             for o, b in zip(out, zip(*self.bases))]
+    return ElsaParams(*out)
+
+
+def table(parts: list[Component], *, m: int, n: int, C: int,
+          k: int) -> LayerTable:
+  """The :class:`LayerTable` of one layer's components, padded to ``C``
+  components of inner width ``k``."""
+  size = dict(m=m, n=n, k=k)
+
+  def zeros():
+    return {leaf: np.zeros((C, *(size[a] for a in dims)))
+            for leaf, dims in _SHAPES.items()}
+
+  def put(leaves, i, leaf, value):
+    leaves[leaf][i, :, :value.shape[1]] += value
+
+  fixed, bases, coefs = zeros(), {}, {}
+  for i, c in enumerate(parts):
+    _, leaves, scaled, embed = c.leaves(m, n)
+    for leaf, value in leaves.items():
+      put(fixed, i, leaf, value)
+    if c.base is not None:
+      put(fixed, i, scaled, embed(np.asarray(c.base)))
+    for text, base in c.summed_parts().items():
+      if text not in bases:
+        bases[text] = zeros()
+        coefs[text] = next(s for _, s in c.parts if s.text == text)
+      put(bases[text], i, scaled, embed(base))
+  order = sorted(bases)
+  params = lambda d: ElsaParams(**d)
+  return LayerTable(params(fixed), [coefs[t] for t in order],
+                    [params(bases[t]) for t in order])

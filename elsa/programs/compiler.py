@@ -21,7 +21,7 @@ import numpy as np
 
 from elsa import _validate, constructions
 from elsa.attention import Array, ElsaParams, float_dtype
-from elsa.programs import codegen, layout as layout_lib, rewrite
+from elsa.programs import codegen, compact, layout as layout_lib, rewrite
 from elsa.programs.language import Program
 
 
@@ -129,22 +129,31 @@ def _dtype(dtype, arrays, fn: str):
 
 
 def _solve(prog: Program):
-  """``prog`` rewritten, laid out and planned: ``(plan, layout, steps, stages,
-  units)``, ``stages`` one per distinct layer in stack order and ``units``
-  the program's stages as layers of the stack (the relocation first)."""
+  """``prog`` rewritten, laid out, compacted and planned: ``(plan, layout,
+  steps, stages, units, parts)``, ``stages`` one per distinct layer in stack
+  order (the peeled first iteration of a loop is not one), ``units`` the
+  program's stages as layers of the stack (the relocation first) and
+  ``parts`` the components of every step."""
   plan = rewrite.plan(prog)
   layout, steps, stages = layout_lib.solve(plan.program, plan.stages)
+  layout, steps, stages, parts = compact.compact(plan.program, layout, steps,
+                                                 stages)
   units = ((rewrite.Unit(None, 1, False),) * layout.relocation_layers
            + plan.units)
-  return plan, layout, steps, stages, units
+  return plan, layout, steps, stages, units, parts
 
 
-def _no_layers(stages, loops: int, fn: str) -> None:
-  """``ValueError`` if ``loops`` iterations leave the program without a layer
+def _no_layers(stages, loops: int, fn: str, peeled: bool) -> None:
+  """``ValueError`` if ``loops`` iterations leave the program without a layer,
+  or without the first iteration that moves the pinned inputs home
   (``params`` and ``run`` refuse alike)."""
   if not any(not s.repeat for s in stages) and loops == 0:
     raise ValueError(f"{fn}: with loops=0 the program has no layer (it has "
                      "only loops); pass loops >= 1.")
+  if peeled and loops == 0:
+    raise ValueError(f"{fn}: the first iteration of the loop also moves the "
+                     "pinned inputs home (no set-up layer is spent on it), so "
+                     "loops=0 has no stack; pass loops >= 1.")
 
 
 class Compiled:
@@ -164,10 +173,10 @@ class Compiled:
     # A snapshot: blocks or layers declared on ``prog`` later belong to the
     # next compile, not to this stack.
     self.program = prog.snapshot()
-    (self._plan, self._layout, self._steps, self._stages,
-     self._units) = _solve(self.program)
+    (self._plan, self._layout, self._steps, self._stages, self._units,
+     self._parts) = _solve(self.program)
     self.m, self.n = self._layout.m, self._layout.n
-    self._parts = [codegen.components(s, self._layout) for s in self._steps]
+    self._layer_tables = None
     self.components = [[c.kind for c in parts] for parts in self._parts]
     first_loop = next((i for i, s in enumerate(self._stages) if s.repeat),
                       len(self._stages))
@@ -236,6 +245,11 @@ class Compiled:
       if prog.blocks[name].init is not None:
         raise ValueError(f"{fn}: {name} has an init expression, so the set-up "
                          "layer computes it; do not pass it.")
+      if name in self._layout.zero_start:
+        raise ValueError(f"{fn}: {name} starts at zero: the compact layout "
+                         "uses its cells until it is first assigned (print("
+                         "compiled) shows it); do not pass it, or start it "
+                         "with an init expression.")
     dtype = _dtype(dtype, blocks.values(), fn)
     arrays = {}
     for name, value in blocks.items():
@@ -295,31 +309,55 @@ class Compiled:
     if isinstance(loops, bool) or not isinstance(loops, (int, np.integer)) or (
         loops < 0):
       raise ValueError(f"{fn}: loops must be an int >= 0, got {loops!r}.")
-    _no_layers(self._stages, loops, fn)
+    _no_layers(self._stages, loops, fn, self._layout.peeled)
     dtype = _dtype(dtype, scalars.values(), fn)
     values = _runtime_scalars(self.program, self._stages, scalars, loops, dtype,
                               fn)
-    m, n = self.m, self.n
+    # Concrete scalars: the leaves in numpy, one transfer per leaf at the
+    # end (a jax dispatch per operation costs more than the whole stack).
+    concrete = {k: _validate.concrete(v) for k, v in values.items()}
+    on_host = all(v is not None for v in concrete.values())
+    if on_host:
+      values = {k: np.asarray(v, np.float64) for k, v in concrete.items()}
+    xp, build_dtype = (np, None) if on_host else (jnp, dtype)
     once = {k: v for k, v in values.items() if v.ndim == 0}
-    per_loop = {k: jnp.broadcast_to(v, (loops,)) for k, v in values.items()}
+    per_loop = {k: xp.broadcast_to(v, (loops,)) for k, v in values.items()}
+    tables = self._tables()
     parts, first = [], 0
     for unit in self._units:
-      builds = [functools.partial(codegen.layer_params, c, m=m, n=n,
-                                  dtype=dtype)
-                for c in self._parts[first:first + unit.layers]]
-      first += unit.layers
       if not unit.repeat:
-        parts += [build(once) for build in builds]
-      elif loops:
+        parts += [t.at(once, (1,), build_dtype)
+                  for t in tables[first:first + unit.layers]]
+        first += unit.layers
+        continue
+      rest, count = per_loop, loops
+      if self._steps[first].first_iteration:
+        # The first iteration is a layer of its own (it also moves the
+        # pinned inputs home), at the first iteration's scalars; loops >= 1
+        # (_no_layers).
+        parts.append(tables[first].at(
+            {k: v[:1] for k, v in per_loop.items()}, (1,), build_dtype))
+        rest = {k: v[1:] for k, v in per_loop.items()}
+        count, first = loops - 1, first + 1
+      layers = [t.at(rest, (count,), build_dtype)
+                for t in tables[first:first + unit.layers]]
+      first += unit.layers
+      if count:
         # Layer j of iteration t at row t * k + j: the layers of one
         # iteration run together, each at that iteration's scalars.
-        layers = constructions.stack(*(
-            jax.vmap(build, axis_size=loops)(per_loop) for build in builds))
-        k = unit.layers
         parts.append(jax.tree.map(
-            lambda a, k=k: jnp.swapaxes(a.reshape(k, loops, *a.shape[1:]),
-                                        0, 1).reshape(a.shape), layers))
-    return constructions.stack(*parts)
+            lambda *a: xp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]),
+            *layers))
+    return jax.tree.map(lambda *a: jnp.asarray(xp.concatenate(a), dtype),
+                        *parts)
+
+  def _tables(self) -> list[codegen.LayerTable]:
+    """Every step's leaves as data, padded to one ``C`` and ``k``."""
+    if self._layer_tables is None:
+      k = max(c.leaves(self.m, self.n)[0] for p in self._parts for c in p)
+      self._layer_tables = [codegen.table(p, m=self.m, n=self.n, C=self.width,
+                                          k=k) for p in self._parts]
+    return self._layer_tables
 
 
 def compile(prog: Program) -> Compiled:  # pylint: disable=redefined-builtin

@@ -70,8 +70,8 @@ def run(prog: Program, *, loops: int, dtype=None, **kwargs) -> dict[str, Array]:
   if isinstance(loops, bool) or not isinstance(loops, (int, np.integer)) or (
       loops < 0):
     raise ValueError(f"{fn}: loops must be an int >= 0, got {loops!r}.")
-  *_, stages, units = _solve(prog)
-  _no_layers(stages, loops, fn)
+  _, layout, _, stages, units, _ = _solve(prog)
+  _no_layers(stages, loops, fn, layout.peeled)
   scalars = {k: v for k, v in kwargs.items() if k in prog.scalars}
   blocks = {k: v for k, v in kwargs.items() if k not in prog.scalars}
   unknown = sorted(set(blocks) - set(prog.blocks))

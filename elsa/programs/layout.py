@@ -45,13 +45,15 @@ class Step:
   """One layer of the stack: a program stage, and the pinned inputs it moves.
 
   ``before``/``after``: where every block sits when the layer reads its input
-  and when it writes its output.
+  and when it writes its output. ``first_iteration``: the first iteration of
+  a loop, as a layer of its own (it also moves the pinned inputs home).
   """
   stage: Stage
   terms: tuple[tuple[Block, Classified], ...]
   moves: tuple[Block, ...]
   before: dict
   after: dict
+  first_iteration: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,11 @@ class Layout:
     moved: names of the pinned inputs moved to columns of their own.
     relocation_layers: 1 if the move takes a layer of its own, else 0.
     groups: token groups, ``[(rows, [block names])]``.
+    pinned: names of the inputs pinned with ``at=``.
+    peeled: the move shares the first loop iteration, a layer of its own.
+    zero_start: states whose cells the layout uses while they are zero
+      (before their first assignment), so ``encode`` takes no start value
+      for them.
   """
   m: int
   n: int
@@ -74,6 +81,9 @@ class Layout:
   moved: tuple[str, ...]
   relocation_layers: int
   groups: tuple
+  pinned: tuple[str, ...] = ()
+  peeled: bool = False
+  zero_start: tuple[str, ...] = ()
 
   def as_data(self) -> dict:
     """``{name: (rows, cols)}`` of every block's home, as plain lists."""
@@ -342,32 +352,48 @@ def solve(prog: Program, stages) -> tuple[Layout, list[Step], list[Stage]]:
                       moves if i == 0 else (), before, home))
   layout = Layout(m=m, n=n, start=start, home=home, moved=tuple(moved),
                   relocation_layers=relocation_layers,
-                  groups=tuple(group_table.items()))
+                  groups=tuple(group_table.items()),
+                  pinned=tuple(b.name for b in pinned))
   return layout, steps, stages
 
 
 def table(layout: Layout, prog: Program) -> str:
-  """The layout as a text table: token groups by column blocks."""
-  col_blocks = sorted({(p.cols, name) for name, p in layout.home.items()})
+  """The layout as a text table: token groups by column blocks (blocks on
+  other tokens of the same columns share a column heading)."""
+  by_cols = {}
+  for name, p in layout.home.items():
+    by_cols.setdefault(p.cols, []).append(name)
+  col_blocks = sorted(by_cols.items())
   pinned_start = {name: p for name, p in layout.start.items()
                   if layout.home[name] != p}
   header = ["rows \\ cols"] + [
-      f"{name} {_span(cols)}" for cols, name in col_blocks]
+      f"{'/'.join(names)} {_span(cols)}" for cols, names in col_blocks]
   lines = [header]
   for rows, names in layout.groups:
     line = [f"{'/'.join(names)} {_span(rows)}"]
-    for cols, name in col_blocks:
-      line.append(name if name in names else ".")
+    for _, here in col_blocks:
+      line.append("/".join(n for n in here if n in names) or ".")
     lines.append(line)
   widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
   fmt = lambda row: " | ".join(s.ljust(w) for s, w in zip(row, widths))
   out = [fmt(lines[0]), "-+-".join("-" * w for w in widths)]
   out += [fmt(row) for row in lines[1:]]
   out.append(f"m = {layout.m} tokens, n = {layout.n} features")
+  shared = [names for _, names in col_blocks if len(names) > 1]
+  if shared:
+    out.append("shared columns (blocks on other tokens): "
+               + ", ".join("/".join(names) for names in shared))
+  where = ("first iteration of the loop" if layout.peeled else
+           "first (relocation) layer" if layout.relocation_layers else
+           "first layer")
   for name, p in pinned_start.items():
     out.append(f"{name} is encoded at rows {_span(p.rows)}, cols "
-               f"{_span(p.cols)} and moved home by the first "
-               f"{'(relocation) ' if layout.relocation_layers else ''}layer")
+               f"{_span(p.cols)} and moved home by the {where}")
+  if layout.zero_start:
+    verb = "starts" if len(layout.zero_start) == 1 else "start"
+    out.append(f"{', '.join(layout.zero_start)} {verb} at zero (the layout "
+               "uses its cells until first assigned; encode takes no start "
+               "value)")
   return "\n".join(out)
 
 

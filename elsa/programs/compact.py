@@ -1,0 +1,263 @@
+"""Compact layouts: columns shared where no term can see it, the first loop
+iteration moving the pinned inputs, every layer verified.
+
+:func:`elsa.programs.layout.solve` gives every unpinned block columns of its
+own and a pinned input that breaks a term a relocation layer; both are
+always exact. :func:`compact` then makes the layout smaller while every
+layer stays exact:
+
+* **shared columns**: blocks on disjoint tokens take the same columns (the
+  predictions ``p`` on the example and query rows and ``w`` on its rows, in
+  one column, as the hand form ``forms.Natural`` lays them out), each share
+  kept only if no layer needs more components;
+* **the first iteration moves the inputs**: a relocation layer followed by a
+  loop becomes the loop's first iteration, as a layer of its own doing the
+  move too, when that layer is exact on the tokens as encoded (a query still
+  in ``X``'s columns enters ``X``'s token sums, harmlessly when what it meets
+  there is a state still at zero).
+
+**Verification.** Every layer of every candidate is checked by
+:func:`check`: the generated components (:mod:`elsa.programs.codegen`)
+applied to tokens holding independent random values in every cell that may
+be nonzero before the layer (blocks known to be zero, states not yet
+assigned, hold zeros) must give, in every cell, what the program's
+assignments give: the new blocks at their places and zero elsewhere. Both
+sides are polynomials in those values, so a random point where they agree
+to rounding is one where they agree identically, except with probability
+zero (Schwartz–Zippel); the term-level conditions of
+:func:`elsa.programs.layout.violations` are the special case of one term.
+States whose zeros a layer uses are listed (``Layout.zero_start``) and
+``encode`` takes no start value for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from elsa.programs import codegen
+from elsa.programs.language import Program, Stage
+from elsa.programs.layout import Layout, Placement, Step
+
+# Relative tolerance of the random-point check: rounding of products of
+# order-one values is ~1e-15, a wrong cell is off by order one.
+_TOL = 1e-9
+
+
+def zero_sets(prog: Program, steps: list[Step]) -> list[frozenset]:
+  """States known to be zero before each step: not assigned by an earlier
+  step (nor, in a loop past its first iteration, by any loop)."""
+  looped = {b.name for s in steps if s.stage.repeat and not s.first_iteration
+            for b, _ in s.stage.assignments}
+  unwritten = {b.name for b in prog.states}
+  out = []
+  for s in steps:
+    repeated = s.stage.repeat and not s.first_iteration
+    out.append(frozenset(unwritten - (looped if repeated else set())))
+    unwritten -= {b.name for b, _ in s.stage.assignments}
+  return out
+
+
+def _zeros(prog: Program, steps: list[Step]) -> list[frozenset]:
+  """The zeros a layer may use: only the first loop iteration's (so that a
+  program keeps taking start values for its states unless the first
+  iteration's move needs them zero)."""
+  return [zero if s.first_iteration else frozenset()
+          for s, zero in zip(steps, zero_sets(prog, steps))]
+
+
+def _value(term, values: dict, scalars: dict) -> np.ndarray:
+  out = None
+  for f in term.factors:
+    x = f.const if f.block is None else values[f.block.name]
+    x = x.T if f.block is not None and f.transposed else x
+    out = x if out is None else out @ x
+  return term.coef.value(scalars) * out
+
+
+def check(prog: Program, step: Step, parts, layout: Layout, zero,
+          seed: int = 0) -> list[str]:
+  """Where the components ``parts`` of ``step`` are wrong: ``[]`` if exact.
+
+  Returns the names of the blocks (or ``"a cell of no block"``) whose cells
+  the layer gets wrong on random tokens (module doc); ``zero``: the states
+  known to be zero before the layer.
+  """
+  rng = np.random.default_rng(seed)
+  m, n = layout.m, layout.n
+  values = {}
+  for name, b in prog.blocks.items():
+    value = np.zeros(b.shape) if name in zero else rng.normal(size=b.shape)
+    values[name] = (value + value.T) / 2 if b.symmetric else value
+  scalars = {name: rng.uniform(0.5, 1.5) for name in prog.scalars}
+  h = np.zeros((m, n))
+  for name, p in step.before.items():
+    if name not in zero:
+      h[np.ix_(p.rows, p.cols)] = values[name]
+  new = dict(values)
+  for block, expr in step.stage.assignments:
+    new[block.name] = sum((_value(t, values, scalars) for t in expr.terms),
+                          np.zeros(block.shape))
+  want = np.zeros((m, n))
+  owner = np.full((m, n), "a cell of no block", dtype=object)
+  for name, p in step.after.items():
+    want[np.ix_(p.rows, p.cols)] = new[name]
+    owner[np.ix_(p.rows, p.cols)] = name
+  got = codegen.apply(parts, h, scalars)
+  scale = max(1.0, np.abs(want).max(), np.abs(got).max())
+  wrong = np.abs(got - want) > _TOL * scale
+  return sorted(set(owner[wrong]))
+
+
+def _steps(steps: list[Step], start: dict, home: dict) -> list[Step]:
+  """``steps`` with their placements from ``start`` and ``home``."""
+  return [dataclasses.replace(s, before=start if i == 0 else home, after=home)
+          for i, s in enumerate(steps)]
+
+
+def _plan(prog, layout, steps):
+  """Components of every step, or ``None`` if a layer is not exact."""
+  zeros = _zeros(prog, steps)
+  out = []
+  for step, zero in zip(steps, zeros):
+    parts = codegen.components(step, layout, zero)
+    if check(prog, step, parts, layout, zero):
+      return None
+    out.append(parts)
+  return out
+
+
+def _cost(plans) -> int:
+  """Components of the widest layer: ``elsa_stack`` pads every layer to it."""
+  return max(len(p) for p in plans)
+
+
+def _cells_overlap(where: dict) -> bool:
+  seen = set()
+  for p in where.values():
+    cells = {(r, c) for r in p.rows for c in p.cols}
+    if seen & cells:
+      return True
+    seen |= cells
+  return False
+
+
+def _share(layout: Layout, a: tuple, b: tuple) -> Layout | None:
+  """``layout`` with the blocks in columns ``b`` moved to columns ``a``;
+  ``None`` if two blocks would then share a cell."""
+  swap = lambda p: Placement(p.rows, a) if p.cols == b else p
+  start = {k: swap(p) if not _pinned(layout, k) else p
+           for k, p in layout.start.items()}
+  home = {k: swap(p) if k in layout.moved or not _pinned(layout, k) else p
+          for k, p in layout.home.items()}
+  if _cells_overlap(start) or _cells_overlap(home):
+    return None
+  return dataclasses.replace(layout, start=start, home=home)
+
+
+def _pinned(layout: Layout, name: str) -> bool:
+  return name in layout.pinned
+
+
+def _share_columns(prog, layout, steps, plans):
+  """Greedy: share the widest columns first, keep a share only if every
+  layer stays exact and none gets more components."""
+  while True:
+    classes = sorted({p.cols for k, p in layout.home.items()
+                      if k in layout.moved or not _pinned(layout, k)},
+                     key=lambda c: (-len(c), c))
+    for a, b in itertools.combinations(classes, 2):
+      if len(a) != len(b):
+        continue
+      shared = _share(layout, a, b)
+      if shared is None:
+        continue
+      new_steps = _steps(steps, shared.start, shared.home)
+      new_plans = _plan(prog, shared, new_steps)
+      if new_plans is not None and _cost(new_plans) <= _cost(plans):
+        layout, steps, plans = shared, new_steps, new_plans
+        break
+    else:
+      return layout, steps, plans
+
+
+def _peel(prog, layout, steps, stages, plans):
+  """The relocation layer folded into the first iteration of a loop that
+  follows it, if that layer is exact on the tokens as encoded."""
+  if not (layout.relocation_layers and len(stages) > 1 and stages[1].repeat
+          and stages[1].part == (1, 1)):
+    return layout, steps, stages, plans
+  loop = steps[1]
+  first = dataclasses.replace(loop, moves=steps[0].moves, before=layout.start,
+                              first_iteration=True)
+  new_steps = [first] + steps[1:]
+  peeled = dataclasses.replace(layout, relocation_layers=0, peeled=True)
+  new_plans = _plan(prog, peeled, new_steps)
+  if new_plans is None:
+    return layout, steps, stages, plans
+  return peeled, new_steps, stages[1:], new_plans
+
+
+def _renumbered(layout: Layout) -> Layout:
+  """Columns after the pinned ones renumbered without gaps."""
+  pinned_cols = {c for k, p in layout.start.items() if _pinned(layout, k)
+                 for c in p.cols}
+  top = max(pinned_cols, default=-1)
+  used = sorted({c for where in (layout.start, layout.home)
+                 for p in where.values() for c in p.cols if c > top})
+  new = {c: top + 1 + i for i, c in enumerate(used)}
+  move = lambda p: Placement(p.rows, tuple(new.get(c, c) for c in p.cols))
+  return dataclasses.replace(
+      layout, n=top + 1 + len(used),
+      start={k: move(p) for k, p in layout.start.items()},
+      home={k: move(p) for k, p in layout.home.items()})
+
+
+def compact(prog: Program, layout: Layout, steps: list[Step],
+            stages: list[Stage]):
+  """The compact layout of a solved program (module doc).
+
+  Returns ``(layout, steps, stages, parts)``: ``parts`` the components of
+  every step; ``stages`` without the relocation stage if the first loop
+  iteration took it over.
+
+  Raises:
+    ValueError: a layer of the solved layout is not exact (a bug: the
+      message names the layer and the blocks).
+  """
+  plans = _plan(prog, layout, steps)
+  if plans is None:
+    for step, zero in zip(steps, _zeros(prog, steps)):
+      wrong = check(prog, step, codegen.components(step, layout, zero), layout,
+                    zero)
+      if wrong:
+        raise ValueError(f"programs: the layer of {step.stage.label} is not "
+                         f"exact on the cells of {wrong}; please report this "
+                         "program.")
+  layout, steps, plans = _share_columns(prog, layout, steps, plans)
+  layout, steps, stages, plans = _peel(prog, layout, steps, stages, plans)
+  layout, steps, plans = _share_columns(prog, layout, steps, plans)
+  layout = _renumbered(layout)
+  steps = _steps(steps, layout.start, layout.home)
+  plans = [codegen.components(s, layout, z)
+           for s, z in zip(steps, _zeros(prog, steps))]
+  return (dataclasses.replace(layout, zero_start=_zero_start(
+      prog, layout, steps, plans)), steps, stages, plans)
+
+
+def _zero_start(prog, layout, steps, plans) -> tuple[str, ...]:
+  """States without ``init`` whose zeros some layer uses: with a random
+  value in place of the zero, the layer is no longer exact."""
+  zeros = _zeros(prog, steps)
+  out = []
+  for state in prog.states:
+    if state.init is not None:
+      continue
+    for step, parts, zero in zip(steps, plans, zeros):
+      if state.name in zero and check(prog, step, parts, layout,
+                                      zero - {state.name}):
+        out.append(state.name)
+        break
+  return tuple(out)
