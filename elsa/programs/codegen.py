@@ -327,16 +327,16 @@ def components(step: Step, layout: Layout, zero=frozenset()) -> list[Component]:
       mix[1:] + out)
 
 
-def _equal_leaves(a: Component, b: Component, leaves) -> bool:
-  return all((leaf in a.fixed) == (leaf in b.fixed) and (
-      leaf not in a.fixed or np.array_equal(a.fixed[leaf], b.fixed[leaf]))
-             for leaf in leaves)
+def _key(c: Component, leaves) -> tuple:
+  """The fixed ``leaves`` of ``c`` (and its inner width) as a hashable key."""
+  return (c.k,) + tuple((leaf, c.fixed[leaf].tobytes()) for leaf in leaves
+                        if leaf in c.fixed)
 
 
-def _equal_parts(a: Component, b: Component) -> bool:
-  pa, pb = a.summed_parts(), b.summed_parts()
-  return a.scaled == b.scaled and pa.keys() == pb.keys() and all(
-      np.array_equal(pa[t], pb[t]) for t in pa)
+def _parts_key(c: Component) -> tuple:
+  """The scaled leaf as a hashable key: its name and its summed parts."""
+  return (c.scaled,) + tuple(sorted(
+      (text, base.tobytes()) for text, base in c.summed_parts().items()))
 
 
 def _merged(parts: list[Component]) -> list[Component]:
@@ -350,34 +350,30 @@ def _merged(parts: list[Component]) -> list[Component]:
   column selectors and join as a union (a column read for two blocks is
   read once, on each block's tokens), ``B3`` place rows and add.
   """
-  out = []
+  kept = {}
   for part in parts:
-    same = next((kept for kept in out
-                 if kept.targets and part.targets
-                 and not kept.targets & part.targets and kept.k == part.k
-                 and _equal_leaves(kept, part, _FIRST + _SECOND)
-                 and _equal_parts(kept, part)), None)
-    if same is not None:
+    key = (_key(part, _FIRST + _SECOND), _parts_key(part))
+    same = kept.get(key)
+    if same is not None and part.targets and same.targets and not (
+        same.targets & part.targets):
       same.targets |= part.targets
-      continue
-    out.append(part)
-  summed = []
-  for part in out:
-    same = next((kept for kept in summed
-                 if kept.scaled == part.scaled and kept.k == part.k
-                 and _equal_leaves(kept, part, _FIRST + _SECOND)), None)
+    else:
+      kept[key if same is None else (key, id(part))] = part
+  summed = {}
+  for part in kept.values():
+    key = (part.scaled, _key(part, _FIRST + _SECOND))
+    same = summed.get(key)
     if same is None:
-      summed.append(part)
+      summed[key] = part
     else:
       same.parts.extend(part.parts)
       same.targets |= part.targets
-  joined = []
-  for part in summed:
-    same = next((kept for kept in joined
-                 if kept.k == part.k and _equal_leaves(kept, part, _SECOND)
-                 and _equal_parts(kept, part)), None)
+  joined = {}
+  for part in summed.values():
+    key = (_key(part, _SECOND), _parts_key(part))
+    same = joined.get(key)
     if same is None:
-      joined.append(part)
+      joined[key] = part
       continue
     if "w3" in part.fixed:
       same.fixed["w3"] = (np.maximum(same.fixed["w3"], part.fixed["w3"])
@@ -386,7 +382,7 @@ def _merged(parts: list[Component]) -> list[Component]:
     if "b3" in part.fixed:
       same.fixed["b3"] = same.fixed.get("b3", 0) + part.fixed["b3"]
     same.targets |= part.targets
-  return joined
+  return list(joined.values())
 
 
 _SHAPES = {"w1": "nk", "w3": "nk", "w2": "nn", "b1": "mk", "b3": "mk",

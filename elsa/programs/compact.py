@@ -117,15 +117,17 @@ def _steps(steps: list[Step], start: dict, home: dict) -> list[Step]:
           for i, s in enumerate(steps)]
 
 
-def _plan(prog, layout, steps):
-  """Components of every step, or ``None`` if a layer is not exact."""
+def _plan(prog, layout, steps, width=None):
+  """Components of every step; ``None`` if a layer is not exact or (with
+  ``width``) takes more components than that."""
   zeros = _zeros(prog, steps)
-  out = []
-  for step, zero in zip(steps, zeros):
-    parts = codegen.components(step, layout, zero)
+  out = [codegen.components(step, layout, zero)
+         for step, zero in zip(steps, zeros)]
+  if width is not None and _cost(out) > width:
+    return None
+  for step, parts, zero in zip(steps, out, zeros):
     if check(prog, step, parts, layout, zero):
       return None
-    out.append(parts)
   return out
 
 
@@ -175,8 +177,8 @@ def _share_columns(prog, layout, steps, plans):
       if shared is None:
         continue
       new_steps = _steps(steps, shared.start, shared.home)
-      new_plans = _plan(prog, shared, new_steps)
-      if new_plans is not None and _cost(new_plans) <= _cost(plans):
+      new_plans = _plan(prog, shared, new_steps, width=_cost(plans))
+      if new_plans is not None:
         layout, steps, plans = shared, new_steps, new_plans
         break
     else:
