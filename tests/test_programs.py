@@ -328,7 +328,11 @@ def random_programs(draw):
   return prog, values, scalars, draw(st.integers(3, 6))
 
 
-@settings(max_examples=30)
+# Few examples, each mixing every kind of term (derandomized, so the same
+# ones every run): they fail when codegen's merge rules or the layer check
+# of the compact layout are broken (tried: a merge that drops parts, a check
+# that accepts everything).
+@settings(max_examples=10, derandomize=True, deadline=None)
 @given(random_programs())
 def test_random_programs_compile_to_their_interpreter_at_every_layer(case):
   prog, inputs, scalars, loops = case
@@ -361,11 +365,12 @@ def test_random_programs_cover_every_kind_of_component():
 
 # Measured worst relative error of any block at any layer against the float64
 # interpreter, three draws (BUILD_NOTES.md, "Matrix programs"): DESIGN example,
-# 20 loops, 2.5e-6; Newton-Schulz, 10 loops, 4e-7. Asserted with headroom.
+# 20 loops, 2.5e-6; Newton-Schulz, 10 loops, 4e-7; ridge_gd_natural, 20
+# loops, 6.2e-7. Asserted with headroom.
 F32_BOUND = 2e-5
 
 
-@pytest.mark.parametrize("which", ["design", "newton_schulz"])
+@pytest.mark.parametrize("which", ["design", "newton_schulz", "natural"])
 def test_float32_stack_is_within_the_measured_bound(which):
   from elsa import algorithms
   N, d, L = 20, 4, (20 if which == "design" else 10)
@@ -373,6 +378,10 @@ def test_float32_stack_is_within_the_measured_bound(which):
   if which == "design":
     prog = design_example(N, d, 1, x, yv)["prog"]
     inputs, scalars = dict(X=x, y=yv), dict(lam=0.1, eta=0.05)
+  elif which == "natural":
+    prog = algorithms.ridge_gd_natural(n_train=N, d=d, n_query=2)
+    inputs = dict(X=x, y=yv, Xq=regression(33, (), 2, d)[0])
+    scalars = dict(lam=0.1, eta=0.9 * float(ridge.stability_limit(x, lam=0.1)))
   else:
     prog = algorithms.newton_schulz(n_train=N, d=d, n_query=2)
     xq = regression(33, (), 2, d)[0]
@@ -963,7 +972,7 @@ def natural_programs(draw):
   return prog, blocks, {"s": rng.uniform(0.5, 1.5)}, draw(st.integers(1, 4))
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, derandomize=True, deadline=None)
 @given(natural_programs())
 def test_natural_programs_with_shared_columns_equal_run_and_numpy(case):
   prog, blocks, scalars, loops = case
@@ -1061,7 +1070,7 @@ def programs_needing_rewrites(draw):
   return prog, blocks, draw(st.integers(2, 4)), needs
 
 
-@settings(max_examples=6)
+@settings(max_examples=4, derandomize=True, deadline=None)
 @given(programs_needing_rewrites())
 def test_programs_needing_rewrites_compile_to_their_interpreter(case):
   prog, blocks, loops, needs = case

@@ -37,7 +37,6 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from elsa import constructions
 from elsa.attention import ElsaParams
 from elsa.programs.language import Classified, Scalar
 from elsa.programs.layout import Layout, Placement, Step

@@ -240,7 +240,8 @@ def compact(prog: Program, layout: Layout, steps: list[Step],
                          "program.")
   layout, steps, plans = _share_columns(prog, layout, steps, plans)
   layout, steps, stages, plans = _peel(prog, layout, steps, stages, plans)
-  layout, steps, plans = _share_columns(prog, layout, steps, plans)
+  if layout.peeled:  # the first iteration may allow shares the move did not
+    layout, steps, plans = _share_columns(prog, layout, steps, plans)
   layout = _renumbered(layout)
   steps = _steps(steps, layout.start, layout.home)
   plans = [codegen.components(s, layout, z)

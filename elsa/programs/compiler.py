@@ -3,8 +3,10 @@
 Stages: :func:`elsa.programs.rewrite.plan` (each term one component, with
 helper blocks where needed, or refused),
 :func:`elsa.programs.layout.solve` (token groups, rows, columns,
-relocation of pinned inputs), :func:`elsa.programs.codegen.components` (the
-parameters of every layer). Each stage's output can be printed:
+relocation of pinned inputs), :func:`elsa.programs.compact.compact` (shared
+columns, the relocation folded into a loop's first iteration, every layer
+verified), :func:`elsa.programs.codegen.components` (the components of every
+layer, as data: :class:`elsa.programs.codegen.LayerTable`). Each stage's output can be printed:
 ``print(compiled)`` shows the layout, ``compiled.components`` the component
 kinds of every layer.
 """
@@ -12,14 +14,13 @@ kinds of every layer.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elsa import _validate, constructions
+from elsa import _validate
 from elsa.attention import Array, ElsaParams, float_dtype
 from elsa.programs import codegen, compact, layout as layout_lib, rewrite
 from elsa.programs.language import Program

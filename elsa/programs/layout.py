@@ -21,7 +21,10 @@ programs"):
 
 Every condition is checked on the cells that may be nonzero before each
 layer (:func:`violations`); a program that cannot be laid out raises
-``ValueError`` naming the blocks and the term.
+``ValueError`` naming the blocks and the term. This layout is always exact;
+:mod:`elsa.programs.compact` then shares columns between blocks on disjoint
+tokens and folds the relocation into a loop's first iteration, verifying
+every layer whole.
 """
 
 from __future__ import annotations
