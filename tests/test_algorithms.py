@@ -172,7 +172,7 @@ def setup_case(name, x):
     return {}, dict(lam=LAM, eta=eta, beta=beta), 12, (
         lambda a, b, n: textbook_chebyshev(a, b, mu=mu, L=L, steps=n))
   alpha = float(alg.gd_step(mu, L))
-  if name == "newton_schulz":
+  if name in ("newton_schulz", "newton_schulz_natural"):
     ref = textbook_newton_schulz
   else:
     ref = functools.partial(textbook_third_order, w_update=(
@@ -182,7 +182,11 @@ def setup_case(name, x):
 
 
 BUILDERS = dict(alg.ALGORITHMS, preconditioned_gd=alg.preconditioned_gd,
-                gd_natural=alg.ridge_gd_natural)
+                gd_natural=alg.ridge_gd_natural,
+                newton_schulz_natural=alg.newton_schulz_natural)
+# Programs without a read-out layer (the predictions follow w), and the
+# inputs they clear from the tokens after their last use.
+NATURAL = {"gd_natural", "newton_schulz_natural"}
 # (batch, N, d, Q, n_out): N < d; N > d with a batch axis and n_out > 1.
 SHAPES = [((), 5, 8, 2, 1), ((3,), 10, 3, 2, 2)]
 
@@ -248,6 +252,8 @@ def test_stack_equals_interpreter_and_textbook_at_every_layer(name, shape):
   # block's largest value over the layers: a step v or a residual R shrinks
   # towards zero, and its rounding stays at the scale it had.
   for block, want in ref.items():
+    if block in compiled._layout.dropped:  # zero after its last reader
+      continue
     got, want = np.asarray(compiled.read(hs, block)), np.asarray(want)
     skip = 1 if prog.blocks[block].kind == "input" else 0
     scale = max(np.linalg.norm(v) for v in want)
@@ -264,7 +270,7 @@ def test_stack_equals_interpreter_and_textbook_at_every_layer(name, shape):
   # updates p with w in every layer instead).
   p = np.asarray(compiled.read(hs, "p"))[-1]
   assert rel(p, xq @ w[-1]) <= F64_RTOL
-  if name != "gd_natural":
+  if name not in NATURAL:
     assert rel(w[-1], w[-2]) == 0.0
 
 
@@ -282,7 +288,8 @@ def test_float32_stack_within_the_measured_bound(name):
   assert worst <= F32_RTOL, worst
 
 
-CONVERGED_LOOPS = {"gd": 200, "gd_natural": 200, "preconditioned_gd": 200, "heavy_ball": 80,
+CONVERGED_LOOPS = {"gd": 200, "gd_natural": 200, "newton_schulz_natural": 8,
+                   "preconditioned_gd": 200, "heavy_ball": 80,
                    "nesterov": 120, "chebyshev": 80, "newton_schulz": 8,
                    "third_order": 6, "third_order_residual": 6}
 

@@ -369,11 +369,13 @@ def test_random_programs_cover_every_kind_of_component():
 # Measured worst relative error of any block at any layer against the float64
 # interpreter, three draws (BUILD_NOTES.md, "Matrix programs"): DESIGN example,
 # 20 loops, 2.5e-6; Newton-Schulz, 10 loops, 4e-7; ridge_gd_natural, 20
-# loops, 6.2e-7. Asserted with headroom.
+# loops, 6.2e-7; newton_schulz_natural, 10 loops, 3.8e-7. Asserted with
+# headroom.
 F32_BOUND = 2e-5
 
 
-@pytest.mark.parametrize("which", ["design", "newton_schulz", "natural"])
+@pytest.mark.parametrize("which", ["design", "newton_schulz", "natural",
+                                   "newton_schulz_natural"])
 def test_float32_stack_is_within_the_measured_bound(which):
   from elsa import algorithms
   N, d, L = 20, 4, (20 if which == "design" else 10)
@@ -386,7 +388,7 @@ def test_float32_stack_is_within_the_measured_bound(which):
     inputs = dict(X=x, y=yv, Xq=regression(33, (), 2, d)[0])
     scalars = dict(lam=0.1, eta=0.9 * float(ridge.stability_limit(x, lam=0.1)))
   else:
-    prog = algorithms.newton_schulz(n_train=N, d=d, n_query=2)
+    prog = getattr(algorithms, which)(n_train=N, d=d, n_query=2)
     xq = regression(33, (), 2, d)[0]
     inputs = dict(X=x, y=yv, Xq=xq)
     scalars = dict(lam=0.1, alpha=float(elsa.forms.Newton.safe_alpha(x,
@@ -812,10 +814,9 @@ def test_a_split_loop_runs_its_layers_per_iteration_with_that_iteration_scalars(
 
 
 # Sizes of programs that need no rewrite (BUILD_NOTES.md, "Matrix programs"):
-# N = 20, d = 5, Q = 3. ridge_gd shares one column between w and r (before
-# compact layouts: 28 x 14); newton_schulz cannot share a column without a
-# fourth component, so it keeps the layout it had before compaction.
-UNREWRITTEN_SIZES = {"ridge_gd": (28, 13, 3, 1), "newton_schulz": (28, 23, 3, 2)}
+# N = 20, d = 5, Q = 3; before compact layouts 28 x 14 and 28 x 23 (w, r and
+# the read-out p now share a column, and w and p in Newton-Schulz).
+UNREWRITTEN_SIZES = {"ridge_gd": (28, 12, 3, 1), "newton_schulz": (28, 22, 3, 2)}
 
 
 @pytest.mark.parametrize("name", list(UNREWRITTEN_SIZES))
@@ -830,17 +831,20 @@ def test_programs_that_need_no_rewrite_compile_without_one(name):
 
 
 def test_a_program_that_cannot_share_columns_keeps_the_uncompacted_layout():
-  """Newton-Schulz: every share would need a fourth component (a carried
-  block beside an assigned one in the init layer), so the compiled layout is
-  the one :func:`layout.solve` gives before compaction, block for block."""
-  from elsa import algorithms
+  """``v = X @ w`` beside ``w = w / 2``: sharing ``v``'s columns with ``w``'s
+  would need a correction of the column mix in the loop (a third
+  component), so the compiled layout is the one :func:`layout.solve` gives
+  before compaction, block for block."""
   from elsa.programs import layout as layout_lib, rewrite
-  prog = algorithms.newton_schulz(n_train=20, d=5, n_query=3)
+  prog = programs.Program()
+  X = prog.input("X", (5, 3))
+  w, v = prog.state("w", (3, 2)), prog.state("v", (5, 2))
+  prog.loop({w: 0.5 * w, v: X @ w})
   plan = rewrite.plan(prog)
   solved, _, _ = layout_lib.solve(plan.program, plan.stages)
   compiled = programs.compile(prog)
   assert compiled.layout == solved.as_data()
-  assert (compiled.m, compiled.n) == (solved.m, solved.n) == (28, 23)
+  assert (compiled.m, compiled.n, compiled.width) == (solved.m, solved.n, 2)
   assert "shared columns" not in str(compiled)
 
 
@@ -882,6 +886,48 @@ def test_natural_ridge_gd_compiles_to_the_natural_form_exactly():
   with pytest.raises(ValueError, match=r"p starts at zero: the compact "
                      r"layout uses its cells"):
     compiled.encode(X=x, y=yv, Xq=xq, p=np.ones((Q, 1)))
+
+
+def test_natural_newton_schulz_compiles_to_the_newton_form_exactly():
+  """``algorithms.newton_schulz_natural``: the size of ``forms.Newton`` (m,
+  n, components per layer, two set-up layers) and its ``w``, ``M`` and
+  predictions at every layer; ``Xq`` is cleared after the first layer (not
+  moved), ``U = Xq M`` shares ``M``'s columns and ``p`` ``w``'s."""
+  from elsa import algorithms
+  N, d, Q, T, lam = 20, 5, 3, 8, 0.05
+  rng = np.random.default_rng(80)
+  x, yv, xq = (rng.normal(size=(N, d)), rng.normal(size=(N, 1)),
+               rng.normal(size=(Q, d)))
+  form = elsa.forms.Newton(n_train=N, d=d, n_query=Q, n_out=1)
+  alpha = float(form.safe_alpha(x, lam=lam))
+  prog = algorithms.newton_schulz_natural(n_train=N, d=d, n_query=Q)
+  compiled = programs.compile(prog)
+  form_params = form.newton_params(lam=lam, alpha=alpha, depth=T)
+  params = compiled.params(loops=T, lam=lam, alpha=alpha)
+  assert (compiled.m, compiled.n, compiled.setup_layers) == (
+      form.m, form.n, form.setup_layers)
+  assert params.w1.shape[:2] == form_params.w1.shape[:2] == (2 + T, 3)
+  text = str(compiled)
+  assert "shared columns (blocks on other tokens): X/Xq, M/U, w/p" in text
+  assert "Xq is cleared from the tokens after the last layer" in text
+  hs = elsa.elsa_stack(params, compiled.encode(X=x, y=yv, Xq=xq),
+                       return_all=True)
+  hand = elsa.elsa_stack(form_params, form.encode(x, yv, x_query=xq),
+                         return_all=True)
+  s = form.setup_layers
+  assert rel(compiled.read(hs, "w")[s:], form.decode_w(hand)[s:, :, None]
+             ) < 1e-12
+  assert rel(compiled.read(hs, "M")[s:], form.decode_inverse(hand)[s:]
+             ) < 1e-12
+  assert rel(compiled.read(hs, "p")[s:], form.decode_pred(hand)[s:, :, None]
+             ) < 1e-12
+  gd = ridge.gd(x, yv, lam=lam, eta=alpha, steps=2 ** 5)
+  assert rel(compiled.read(hs, "w")[s + 5], gd[-1]) < F64_RTOL
+  ref = programs.run(prog, loops=T, X=x, y=yv, Xq=xq, lam=lam, alpha=alpha)
+  assert_every_layer(compiled, hs, {k: v for k, v in ref.items() if k != "Xq"},
+                     F64_RTOL)
+  np.testing.assert_array_equal(compiled.read(hs, "Xq")[0], xq)
+  np.testing.assert_array_equal(compiled.read(hs, "Xq")[1:], 0)
 
 
 def test_a_first_iteration_that_moves_inputs_needs_loops_of_at_least_one():

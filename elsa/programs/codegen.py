@@ -100,6 +100,8 @@ class Component:
     or ``B2``): both are linear in the summed matrix, like every other kind.
     """
     same = lambda a: a
+    if self.fixed or self.kind not in ("mix", "constant"):
+      return self.k, dict(self.fixed), self.scaled, same
     if self.kind == "mix":
       if m >= n:
         return (n, dict(w3=np.eye(n), b1=np.eye(m, n)), "b2",
@@ -109,7 +111,6 @@ class Component:
       if n <= m:
         return n, dict(b1=np.eye(m, n), b2=np.eye(m, n)), "b3", same
       return m, dict(b3=np.eye(m), b1=np.eye(m)), "b2", same
-    return self.k, dict(self.fixed), self.scaled, same
 
   def summed_parts(self) -> dict:
     """``{coefficient text: summed base}``: the scaled leaf as data."""
@@ -121,26 +122,22 @@ class Component:
 
 def apply(parts: list[Component], h: np.ndarray, values: Mapping
           ) -> np.ndarray:
-  """One layer on numpy tokens ``h [m, n]``, float runtime scalars ``values``."""
+  """One layer on numpy tokens ``h [m, n]``, float runtime scalars
+  ``values``: the leaves :class:`LayerTable` builds, in the ELSA formula."""
+  m, n = h.shape
   out = np.zeros_like(h)
   for c in parts:
-    total = c.total(values)
-    if c.kind == "mix":
-      out += h @ total
-      continue
-    if c.kind == "constant":
-      out += total
-      continue
-    leaves = dict(c.fixed, **{c.scaled: total})
+    k, leaves, scaled, embed = c.leaves(m, n)
+    leaves[scaled] = embed(c.total(values))
 
     def factor(pair):
       w, b = (leaves.get(leaf) for leaf in pair)
-      value = 0 if w is None else h @ w
+      value = np.zeros((m, w.shape[1] if w is not None else b.shape[1]))
+      value = value + (0 if w is None else h @ w)
       return value + (0 if b is None else b)
 
     first, second, third = (factor(p) for p in (_FIRST, _SECOND, _THIRD))
-    out += np.broadcast_to(first, (h.shape[0], c.k)) @ (
-        np.broadcast_to(second, (h.shape[0], c.k)).T @ third)
+    out += first @ (second.T @ third)
   return out
 
 
@@ -322,8 +319,46 @@ def components(step: Step, layout: Layout, zero=frozenset()) -> list[Component]:
     part = _product(c, target, before, m, n)
     part.targets = frozenset([block.name])
     out.append(part)
+  if constant.parts:
+    folded = _with_constant(mix[0], constant, m, n)
+    mix[0], constant.parts = (folded, []) if folded else (mix[0],
+                                                          constant.parts)
   return mix[:1] + ([constant] if constant.parts else []) + _merged(
       mix[1:] + out)
+
+
+def _with_constant(mix: Component, constant: Component, m: int,
+                   n: int) -> Component | None:
+  """The column mix that also adds the layer's constant ``c``, or ``None``.
+
+  With ``R`` the rows where ``c`` is nonzero and ``k = n + |R|``:
+  ``W3 = [I_n | 0]``, ``B3 = [0 | S_R]``, ``B1 = I_{m,k}``, ``B2 = [D; c_R;
+  0]``, so ``(h W3 + B3) B1^T B2 = h D + S_R c_R = h D + c`` for every ``h``
+  (``W1 = W2 = 0``: no cross term). Needs ``m >= n + |R|``.
+  """
+  rows = np.flatnonzero(np.any([np.any(b != 0, axis=1)
+                                for b, _ in constant.parts], axis=0))
+  k = n + len(rows)
+  if m < k:
+    return None
+  w3, b3 = np.zeros((n, k)), np.zeros((m, k))
+  w3[:, :n] = np.eye(n)
+  b3[rows, n + np.arange(len(rows))] = 1
+
+  def mixed(a):
+    out = np.zeros((m, n))
+    out[:n] = a
+    return out
+
+  def constant_rows(a):
+    out = np.zeros((m, n))
+    out[n:k] = np.asarray(a)[rows]
+    return out
+
+  return Component("mix", k=k, fixed=dict(w3=w3, b3=b3, b1=np.eye(m, k)),
+                   scaled="b2", base=mixed(mix.base),
+                   parts=[(mixed(b), c) for b, c in mix.parts]
+                   + [(constant_rows(b), c) for b, c in constant.parts])
 
 
 def _key(c: Component, leaves) -> tuple:

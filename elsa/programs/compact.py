@@ -39,7 +39,7 @@ import numpy as np
 
 from elsa.programs import codegen
 from elsa.programs.language import Program, Stage
-from elsa.programs.layout import Layout, Placement, Step
+from elsa.programs.layout import Layout, Placement, Step, placed
 
 # Relative tolerance of the random-point check: rounding of products of
 # order-one values is ~1e-15, a wrong cell is off by order one.
@@ -61,10 +61,22 @@ def zero_sets(prog: Program, steps: list[Step]) -> list[frozenset]:
 
 
 def _zeros(prog: Program, steps: list[Step]) -> list[frozenset]:
-  """The zeros a layer may use: only the first loop iteration's (so that a
-  program keeps taking start values for its states unless the first
-  iteration's move needs them zero)."""
-  return [zero if s.first_iteration else frozenset()
+  """The zeros a layer may use: in the first loop iteration every state not
+  yet assigned, elsewhere the states that are assigned before any layer
+  reads them (their start value reaches no block). So a program keeps
+  taking start values for the states whose start matters, unless the first
+  iteration's move needs them zero."""
+  first_write, first_read = {}, {}
+  for i, s in enumerate(steps):
+    for block, expr in s.stage.assignments:
+      first_write.setdefault(block.name, i)
+      for t in expr.terms:
+        for f in t.factors:
+          if f.block is not None:
+            first_read.setdefault(f.block.name, i)
+  unread = {name for name, i in first_write.items()
+            if first_read.get(name, len(steps)) > i}
+  return [zero if s.first_iteration else zero & unread
           for s, zero in zip(steps, zero_sets(prog, steps))]
 
 
@@ -113,7 +125,7 @@ def check(prog: Program, step: Step, parts, layout: Layout, zero,
 
 def _steps(steps: list[Step], start: dict, home: dict) -> list[Step]:
   """``steps`` with their placements from ``start`` and ``home``."""
-  return [dataclasses.replace(s, before=start if i == 0 else home, after=home)
+  return [placed(s, start if i == 0 else home, home)
           for i, s in enumerate(steps)]
 
 
@@ -192,8 +204,9 @@ def _peel(prog, layout, steps, stages, plans):
           and stages[1].part == (1, 1)):
     return layout, steps, stages, plans
   loop = steps[1]
-  first = dataclasses.replace(loop, moves=steps[0].moves, before=layout.start,
-                              first_iteration=True)
+  first = placed(dataclasses.replace(loop, moves=steps[0].moves,
+                                     first_iteration=True), layout.start,
+                 layout.home)
   new_steps = [first] + steps[1:]
   peeled = dataclasses.replace(layout, relocation_layers=0, peeled=True)
   new_plans = _plan(prog, peeled, new_steps)

@@ -278,7 +278,8 @@ class Compiled:
 
     Works on any leading axes, e.g. all states of ``elsa_stack(...,
     return_all=True)``. A moved pinned input is at home from the end of the
-    first layer on.
+    first layer on; a pinned input cleared after its last reader (``print
+    (compiled)`` says which) reads zero from then on.
     """
     if name not in self._layout.home:
       raise ValueError(f"Compiled.read: no block {name!r}; blocks: "

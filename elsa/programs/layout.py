@@ -50,6 +50,8 @@ class Step:
   ``before``/``after``: where every block sits when the layer reads its input
   and when it writes its output. ``first_iteration``: the first iteration of
   a loop, as a layer of its own (it also moves the pinned inputs home).
+  ``gone_before``/``gone_after``: dropped inputs (``Layout.dropped``) no
+  longer on the tokens before/after the layer.
   """
   stage: Stage
   terms: tuple[tuple[Block, Classified], ...]
@@ -57,6 +59,8 @@ class Step:
   before: dict
   after: dict
   first_iteration: bool = False
+  gone_before: frozenset = frozenset()
+  gone_after: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,9 @@ class Layout:
     relocation_layers: 1 if the move takes a layer of its own, else 0.
     groups: token groups, ``[(rows, [block names])]``.
     pinned: names of the inputs pinned with ``at=``.
+    dropped: pinned inputs cleared from the tokens after the last layer that
+      reads them (they would break a later term); ``read`` gives zeros for
+      them from then on.
     peeled: the move shares the first loop iteration, a layer of its own.
     zero_start: states whose cells the layout uses while they are zero
       (before their first assignment), so ``encode`` takes no start value
@@ -85,6 +92,7 @@ class Layout:
   relocation_layers: int
   groups: tuple
   pinned: tuple[str, ...] = ()
+  dropped: tuple[str, ...] = ()
   peeled: bool = False
   zero_start: tuple[str, ...] = ()
 
@@ -300,20 +308,42 @@ def solve(prog: Program, stages) -> tuple[Layout, list[Step], list[Stage]]:
       next_col += b.shape[1]
   m = 1 + max(r for p in start.values() for r in p.rows)
 
-  # Move pinned inputs out of shared columns until every term is exact,
-  # each time the one that clears the most offences (the smallest on a tie).
-  all_terms = [t for s in stages for t in _stage_terms(s)]
-  home, moved = dict(start), []
+  # A pinned input no later stage reads leaves the tokens after its last
+  # reader (its cells cleared) where it would break a later term: dropped,
+  # not moved. Then pinned inputs move out of shared columns until every
+  # term is exact, each time the one that clears the most offences (the
+  # smallest on a tie).
+  last_read = {}  # the last stage whose input holds the block
+  for i, stage in enumerate(stages):
+    for _, c in _stage_terms(stage):
+      for b, _ in c.blocks:
+        # A loop reads it again in its next iteration: the stage after the
+        # loop clears it.
+        last_read[b.name] = i + stage.repeat
+  home, moved, dropped = dict(start), [], set()
 
   def n_cols(where):
     return 1 + max(c for p in where.values() for c in p.cols)
 
-  def offences(where):
-    owners = _owners(where, m, n_cols(where))
-    return sum(len(violations(c, where, owners)) for _, c in all_terms)
+  def live(where, i, gone):
+    return {k: p for k, p in where.items()
+            if not (k in gone and last_read[k] < i)}
+
+  def offences(where, gone):
+    total = 0
+    for i, stage in enumerate(stages):
+      here = live(where, i, gone)
+      owners = _owners(here, m, n_cols(where))
+      total += sum(len(violations(c, here, owners))
+                   for _, c in _stage_terms(stage))
+    return total
 
   pinned = [b for b in prog.inputs if b.at is not None]
-  while offences(home):
+  for b in pinned:
+    if (last_read.get(b.name, len(stages)) < len(stages) - 1
+        and offences(home, dropped | {b.name}) < offences(home, dropped)):
+      dropped.add(b.name)
+  while offences(home, dropped):
     def moved_to(b, where):
       out = dict(where)
       width = n_cols(where)
@@ -322,15 +352,16 @@ def solve(prog: Program, stages) -> tuple[Layout, list[Step], list[Stage]]:
       return out
     candidates = [b for b in pinned if b.name not in moved]
     if not candidates:
-      owners = _owners(home, m, n_cols(home))
-      for stage in stages:
+      for i, stage in enumerate(stages):
+        here = live(home, i, dropped)
+        owners = _owners(here, m, n_cols(home))
         for target, c in _stage_terms(stage):
-          reasons = violations(c, home, owners)
+          reasons = violations(c, here, owners)
           if reasons:
             raise ValueError(
                 f"programs: in {stage.label}, {target.name} = ...: the term "
                 f"`{c.text}` cannot be laid out exactly: {'; '.join(reasons)}.")
-    best = min(candidates, key=lambda b: (offences(moved_to(b, home)),
+    best = min(candidates, key=lambda b: (offences(moved_to(b, home), dropped),
                                           b.shape[0] * b.shape[1]))
     home = moved_to(best, home)
     moved.append(best.name)
@@ -348,16 +379,28 @@ def solve(prog: Program, stages) -> tuple[Layout, list[Step], list[Stage]]:
       stages = [Stage((), False, "relocation")] + stages
 
   moves = tuple(prog.blocks[name] for name in moved)
+  shift = relocation_layers  # stage i of the program is step i + shift
+  gone = lambda i: frozenset(k for k in dropped if last_read[k] + shift < i)
   steps = []
   for i, stage in enumerate(stages):
-    before = start if i == 0 else home
-    steps.append(Step(stage, tuple(_stage_terms(stage)),
-                      moves if i == 0 else (), before, home))
+    step = Step(stage, tuple(_stage_terms(stage)), moves if i == 0 else (),
+                {}, {}, gone_before=gone(i), gone_after=gone(i + 1))
+    steps.append(placed(step, start if i == 0 else home, home))
   layout = Layout(m=m, n=n, start=start, home=home, moved=tuple(moved),
                   relocation_layers=relocation_layers,
                   groups=tuple(group_table.items()),
-                  pinned=tuple(b.name for b in pinned))
+                  pinned=tuple(b.name for b in pinned),
+                  dropped=tuple(sorted(dropped)))
   return layout, steps, stages
+
+
+def placed(step: Step, before: dict, after: dict) -> Step:
+  """``step`` reading its tokens laid out as ``before`` and writing them as
+  ``after``, without the inputs it finds or leaves dropped."""
+  without = lambda where, gone: {k: p for k, p in where.items()
+                                 if k not in gone}
+  return dataclasses.replace(step, before=without(before, step.gone_before),
+                             after=without(after, step.gone_after))
 
 
 def table(layout: Layout, prog: Program) -> str:
@@ -392,6 +435,9 @@ def table(layout: Layout, prog: Program) -> str:
   for name, p in pinned_start.items():
     out.append(f"{name} is encoded at rows {_span(p.rows)}, cols "
                f"{_span(p.cols)} and moved home by the {where}")
+  for name in layout.dropped:
+    out.append(f"{name} is cleared from the tokens after the last layer "
+               "that reads it")
   if layout.zero_start:
     verb = "starts" if len(layout.zero_start) == 1 else "start"
     out.append(f"{', '.join(layout.zero_start)} {verb} at zero (the layout "
