@@ -111,7 +111,9 @@ def stack_errors(compiled: programs.Compiled, *, budget: int, dtype,
   """A jitted ``(x, y, xq, w_star, scalars, schedules, tol) -> errors [B, budget + 1]``.
 
   Runs the compiled stack, vmapped over the tasks: its set-up layers, then its
-  loop layer (``Compiled.params(loops=1)`` at each loop's scalars) in a
+  loop layers (``Compiled.params(loops=2)`` at each loop's scalars: the first
+  iteration's layer, which may also move the pinned inputs home, then the
+  layer of every later iteration) in a
   ``lax.while_loop`` that stops when every task's ``w`` is within ``tol`` of
   ``w_star`` or after ``budget`` total layers. ``errors[:, t]`` is
   ``||w_t - w*|| / ||w*||`` (float64) of state ``t``, NaN past the stop. The
@@ -125,15 +127,21 @@ def stack_errors(compiled: programs.Compiled, *, budget: int, dtype,
     raise ValueError(f"stack_errors: budget {budget} leaves no loop after the "
                      f"{setup} set-up layers.")
 
-  def loop_layer(values):
-    return _layer_of(compiled.params(loops=1, dtype=dtype, **values), setup)
+  def loop_layers(params):
+    # Iteration 0 may be a layer of its own (the compiler folds the move of
+    # the pinned inputs into it); every later iteration is the second one.
+    return _layer_of(params, setup), _layer_of(params, setup + 1)
+
+  def iteration(t, layers):
+    return jax.tree.map(lambda first, later: jnp.where(t == 0, first, later),
+                        *layers)
 
   def one(x, y, xq, w_star, scalars, schedules, tol):
     blocks = dict(X=x, y=y) | (dict(Xq=xq) if "Xq" in
                                 compiled.program.blocks else {})
     h0 = compiled.encode(dtype=dtype, **blocks)
     first = {**scalars, **{k: v[0] for k, v in schedules.items()}}
-    params = compiled.params(loops=1, dtype=dtype, **first)
+    params = compiled.params(loops=2, dtype=dtype, **first)
     error = lambda h: common.relative_error(
         compiled.read(h, "w").astype(jnp.float64).reshape(-1),
         w_star.reshape(-1))
@@ -141,7 +149,7 @@ def stack_errors(compiled: programs.Compiled, *, budget: int, dtype,
                          return_all=True) if setup else h0[None]
     errors = jnp.full((budget + 1,), jnp.nan, jnp.float64)
     errors = errors.at[:setup + 1].set(jax.vmap(error)(hs))
-    fixed = None if schedules else _layer_of(params, setup)
+    fixed = None if schedules else loop_layers(params)
 
     def cond(carry):
       t, _, err, _ = carry
@@ -149,9 +157,10 @@ def stack_errors(compiled: programs.Compiled, *, budget: int, dtype,
 
     def body(carry):
       t, h, _, errs = carry
-      layer = fixed if fixed is not None else loop_layer(
-          {**scalars, **{k: v[t] for k, v in schedules.items()}})
-      h = elsa.elsa_layer(layer, h)
+      layers = fixed if fixed is not None else loop_layers(compiled.params(
+          loops=2, dtype=dtype,
+          **scalars, **{k: v[t] for k, v in schedules.items()}))
+      h = elsa.elsa_layer(iteration(t, layers), h)
       err = error(h)
       return t + 1, h, err, errs.at[setup + 1 + t].set(err)
 
