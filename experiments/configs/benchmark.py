@@ -104,9 +104,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sweep_n_query = 2
     config.sweep_depth = 4
     config.sweep_lams = (0.1,)
-    config.sweep_batches = (1, 4)
-    config.train_lsa_depths = (1, 2)
+    config.sweep_batches = (4,)
+    config.train_lsa_depths = (1,)
     config.train_lsa_batch = 32
-    config.train_elsa_depth = 2
+    config.train_elsa_depth = 1
     config.train_elsa_batch = 16
   return config
