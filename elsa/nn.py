@@ -301,6 +301,10 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
 
   Raises:
     ValueError, TypeError: as :func:`elsa.elsa_stack` (its checks, run here).
+
+  ``jit``, ``vmap`` and reverse-mode autodiff (``grad``, ``vjp``) apply;
+  forward mode (``jvp``, ``jacfwd``) does not: the per-item products carry
+  their own gradient (:func:`_item_matmul`).
   """
   abstract = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
   if not use_bias:
