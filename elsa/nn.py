@@ -301,6 +301,10 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
 
   Raises:
     ValueError, TypeError: as :func:`elsa.elsa_stack` (its checks, run here).
+
+  ``jit``, ``vmap`` and reverse-mode autodiff (``grad``, ``vjp``) apply;
+  forward mode (``jvp``, ``jacfwd``) does not: the per-item products carry
+  their own gradient (:func:`_item_matmul`).
   """
   abstract = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
   if not use_bias:
@@ -338,10 +342,12 @@ def _residual_update(weights, biases, h: Array, key_mask, precision) -> Array:
   ``biases`` ``None`` leaves them out.
 
   Tokens before components, ``[..., m, C, k]``: a projection is then one
-  ``[items * m, n] @ [n, C k]`` dot whose output needs no transpose, and
-  every product is one dot over all items (no vmap over components); with
-  components before tokens XLA:CPU transposed every projection (BUILD_NOTES,
-  "Speed").
+  ``[items * m, n] @ [n, C k]`` dot whose output needs no transpose (with
+  components before tokens XLA:CPU transposed every projection). The two
+  per-item products are plain ``A @ B`` (:func:`_item_matmul`): ``S = K^T V``
+  from the keys transposed once, ``[..., C, k, m]``, and the sum over
+  components and inner columns as one contraction over ``C k``,
+  ``[m, C k] @ [C k, v]`` (BUILD_NOTES, "Speed").
   """
   ein = functools.partial(jnp.einsum, precision=precision)
   def project(w, b):
@@ -350,8 +356,46 @@ def _residual_update(weights, biases, h: Array, key_mask, precision) -> Array:
   keys, values, queries = (project(w, b) for w, b in zip(weights, biases))
   if key_mask is not None:
     values = values * key_mask[..., :, None, None]
-  s = ein("...mck,...mcv->...ckv", keys, values)
-  return ein("...mck,...ckv->...mv", queries, s)
+  keys_t = _materialised(jnp.einsum("...mck->...ckm", keys))
+  s = _item_matmul(keys_t, jnp.swapaxes(values, -3, -2), precision)
+  return _item_matmul(queries.reshape(*queries.shape[:-2], -1),
+                      s.reshape(*s.shape[:-3], -1, s.shape[-1]), precision)
+
+
+def _materialised(a: Array) -> Array:
+  """``a``, computed into its own buffer: XLA may not fold a transpose that
+  made it into the dot that reads it (which would make that dot ``A^T B``)."""
+  return jax.lax.optimization_barrier(a)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _item_matmul(a: Array, b: Array, precision) -> Array:
+  """``a @ b`` per item, ``[..., p, q] @ [..., q, r]``, whose gradient has no ``A^T B`` product.
+
+  The gradients are ``g b^T`` and ``(a^T) g`` with ``a^T`` materialised
+  (:func:`_materialised`): XLA:CPU runs small batched dots of the forms
+  ``A B`` and ``A B^T`` in its fast library and the form ``A^T B``
+  (contracting the rows of both, what the transpose of ``a @ b`` gives) outside
+  it, at about half the rate on ``[2048, 11, 11]`` items (BUILD_NOTES,
+  "Speed"). Reverse mode and ``vmap`` apply; forward mode (``jax.jvp``) does
+  not (a ``custom_vjp``; a ``custom_jvp`` with the same products was
+  transposed back to the slow form).
+  """
+  return jnp.matmul(a, b, precision=precision)
+
+
+def _item_matmul_fwd(a, b, precision):
+  return _item_matmul(a, b, precision), (a, b)
+
+
+def _item_matmul_bwd(precision, saved, g):
+  a, b = saved
+  return (jnp.einsum("...pr,...qr->...pq", g, b, precision=precision),
+          jnp.matmul(_materialised(jnp.swapaxes(a, -1, -2)), g,
+                     precision=precision))
+
+
+_item_matmul.defvjp(_item_matmul_fwd, _item_matmul_bwd)
 
 
 def _check_leaves(fn: Callable[[ElsaParams, Array], Array],

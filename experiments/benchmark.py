@@ -33,19 +33,19 @@ Four parts, each a list of rows in ``results.json`` and a printed table:
    matmul's rate on the FLOPs of its pruned ELSA layers
    (:func:`pruned_layer_flops`). The row's ``max_rel_err`` is the kernel's
    own ELSA-vs-GD error: the timed work is the real computation.
-4. ``train``: the training step the train driver scans
-   (:func:`elsa.training.train_step`) against a plain reference of the same
-   model written here with ``jnp.einsum`` (:func:`reference_forward`, in the
-   ``(Q K^T) V`` order of attention code), the same loss, ``jax.value_and_grad``
-   and the same optax chain, float32: on one drawn batch
-   (:func:`elsa.training.train_step_on_batch` against the reference's step,
-   ``update_ratio``) and with the draw of the batch from the key
-   (``step_ratio``; both draw the same tasks with
-   :func:`elsa.training.sample_tasks`). Cases: von Oswald et al.'s task and
-   model (``configs/train.py:vonoswald``) at several depths, and the default
-   train config's ELSA stack. FLOPs per step are XLA's cost analysis of each
-   compiled step; each row checks that both sides give the same loss and
-   gradient.
+4. ``train``: the training step of the train driver
+   (:func:`elsa.training.train_step_on_batch`) against a plain reference of
+   the same model written here with ``jnp.einsum`` (:func:`reference_forward`,
+   in the ``(Q K^T) V`` order of attention code), the same loss,
+   ``jax.value_and_grad`` and the same optax chain, float32, on the same
+   drawn batch: both sides take parameters, optimiser state and batch, and
+   neither draws (``update_ratio``). The draw of one batch
+   (:func:`elsa.training.sample_tasks`, which the driver does once per step
+   for all grid points) is timed beside them. Cases: von Oswald et al.'s
+   task and model (``configs/train.py:vonoswald``) at several depths, and
+   the default train config's ELSA stack. FLOPs per call are XLA's cost
+   analysis of each compiled function; each row checks that both sides give
+   the same loss and gradient.
 
 ``config.parts`` names the parts that run (:data:`PARTS`). Parts 1 and 3 run
 in every dtype of ``config.dtypes``, part 2 in the first, part 4 in float32.
@@ -583,19 +583,24 @@ def step_flops(compiled) -> float | None:
 
 def train_row(name: str, depth: int, train_config,
               config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Our train step against the plain reference on the same tasks, timed in
-  the same rounds: on a drawn batch (``update``: forward, backward, optimiser)
-  and with the draw (``step``: :func:`elsa.training.train_step`, the step
-  ``train_steps`` scans, against the reference drawing the same tasks)."""
+  """Our train step against the plain reference on the same batch, timed in
+  the same rounds, and the draw of one batch.
+
+  Both update sides take the parameters, the optimiser state and a drawn
+  batch and do the same work: the loss (forward), its gradient
+  (``jax.value_and_grad``) and the optax update. Ours is
+  :func:`elsa.training.train_step_on_batch`, the step the train driver takes
+  for every grid point (:func:`elsa.training.train_grid_steps`); neither side
+  draws. ``draw`` is :func:`elsa.training.sample_tasks` of one batch, what
+  the driver adds once per step for all grid points.
+  """
   model, spec, tx = _train_setup(name, depth, train_config)
   form, batch = spec.model_tokens(), train_config.batch
   split = training.split(model)
   state = training.init_state(split.params, tx)
   # The same values as plain arrays: the reference's parameters.
   params = {key: leaf[...] for key, leaf in split.params.items()}
-  key = jax.random.key(config.seed)
-  task = training.sample_tasks(jax.random.fold_in(key, 0), spec, batch=batch,
-                               dtype=jnp.float32)
+  key = jax.random.fold_in(jax.random.key(config.seed), 0)
   switches = train.MODELS[name]
   mask = ((jnp.arange(form.m) < spec.n_train).astype(jnp.float32)
           if switches["context_only"] else None)
@@ -603,35 +608,28 @@ def train_row(name: str, depth: int, train_config,
                                    residual=switches["residual"], key_mask=mask)
   reference = _reference_step(reference_loss, tx)
   ref_opt_state = tx.init(params)
-
-  def reference_draw(params, opt_state, step):
-    drawn = training.sample_tasks(jax.random.fold_in(key, step), spec,
-                                  batch=batch, dtype=jnp.float32)
-    return reference(params, opt_state, drawn)
-
-  kw = dict(graphdef=split.graphdef, rest=split.rest, tx=tx)
+  draw = jax.jit(functools.partial(training.sample_tasks, spec=spec,
+                                   batch=batch, dtype=jnp.float32)
+                 ).lower(key).compile()
+  task = draw(key)
   compiled = dict(
       ours_update=jax.jit(functools.partial(
-          training.train_step_on_batch, form=form, **kw)).lower(
-              state, task).compile(),
+          training.train_step_on_batch, form=form, graphdef=split.graphdef,
+          rest=split.rest, tx=tx)).lower(state, task).compile(),
       reference_update=jax.jit(reference).lower(
           params, ref_opt_state, task).compile(),
-      ours_step=jax.jit(functools.partial(
-          training.train_step, spec=spec, batch=batch, **kw)).lower(
-              state, key).compile(),
-      reference_step=jax.jit(reference_draw).lower(
-          params, ref_opt_state, state.step).compile())
+      draw=draw)
   calls = dict(ours_update=lambda: compiled["ours_update"](state, task),
                reference_update=lambda: compiled["reference_update"](
                    params, ref_opt_state, task),
-               ours_step=lambda: compiled["ours_step"](state, key),
-               reference_step=lambda: compiled["reference_step"](
-                   params, ref_opt_state, state.step))
+               draw=lambda: draw(key))
   # The reference is the same math: the same loss and gradient (up to
   # float32 rounding) at the same parameters and batch.
-  ours_loss, ours_grads = jax.value_and_grad(training.loss)(
-      state.params, task, graphdef=split.graphdef, rest=split.rest, form=form)
-  ref_loss, ref_grads = jax.value_and_grad(reference_loss)(params, task)
+  ours_loss, ours_grads = jax.jit(jax.value_and_grad(functools.partial(
+      training.loss, graphdef=split.graphdef, form=form)))(
+          state.params, task, rest=split.rest)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference_loss))(params,
+                                                                    task)
   difference = max(float(jnp.max(jnp.abs(ours_grads[k][...] - ref_grads[k]))
                          / jnp.max(jnp.abs(ref_grads[k]))) for k in ref_grads)
   times = time_rounds(calls, config=config)
@@ -644,7 +642,6 @@ def train_row(name: str, depth: int, train_config,
     row[side] = dict(timing(times[side]), flops=step_flops(compiled[side]))
   row["update_ratio"] = per_round(times["ours_update"]
                                   / times["reference_update"])
-  row["step_ratio"] = per_round(times["ours_step"] / times["reference_step"])
   return row
 
 
@@ -738,20 +735,23 @@ def _sweep_table(part: dict[str, Any]) -> list[str]:
 
 
 def _train_table(part: dict[str, Any]) -> list[str]:
-  lines = ["train step, ours / plain reference (float32): on a drawn batch "
-           "(update) and with the draw (step); FLOPs per update",
+  lines = ["train step on a drawn batch (forward, backward, optax update), "
+           "ours / plain reference (float32); the draw of one batch; FLOPs "
+           "per call",
            f"{'model':>21} {'L':>3} {'batch':>6} {'ours ms':>8} {'ref ms':>8} "
-           f"{'update ratio':>20} {'step ratio':>20} {'ours GFLOP':>11} "
-           f"{'ref GFLOP':>10}"]
+           f"{'ours / ref':>20} {'draw ms':>8} {'ours GFLOP':>11} "
+           f"{'ref GFLOP':>10} {'draw GFLOP':>11}"]
   gflop = lambda f: "?" if f is None else f"{f / 1e9:.3g}"
   for r in part["rows"]:
     lines.append(
         f"{r['model']:>21} {r['depth']:>3} {r['batch']:>6} "
         f"{r['ours_update']['median_s'] * 1e3:>8.3g} "
         f"{r['reference_update']['median_s'] * 1e3:>8.3g} "
-        f"{_spread(r['update_ratio']):>20} {_spread(r['step_ratio']):>20} "
+        f"{_spread(r['update_ratio']):>20} "
+        f"{r['draw']['median_s'] * 1e3:>8.3g} "
         f"{gflop(r['ours_update']['flops']):>11} "
-        f"{gflop(r['reference_update']['flops']):>10}")
+        f"{gflop(r['reference_update']['flops']):>10} "
+        f"{gflop(r['draw']['flops']):>11}")
   return lines
 
 

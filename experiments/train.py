@@ -225,10 +225,14 @@ def check_devices(config) -> tuple[int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "tx",
-                                             "batch", "steps", "mesh"))
+                                             "batch", "steps", "mesh"),
+                   donate_argnames=("states",))
 def _sharded_grid_steps(states, key_data, rest, *, graphdef, spec, tx,
                         batch: int, steps: int, mesh):
   """``training.train_grid_steps`` on a ``("grid", "batch")`` mesh.
+
+  ``states`` is donated: the chunk's new states take its buffers (the caller
+  holds only the result).
 
   ``states`` (replicated) has its grid axis split as ``[groups, G / groups,
   ...]``: the groups go to the mesh's ``grid`` axis, each group's points run

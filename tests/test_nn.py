@@ -217,6 +217,50 @@ def test_residual_stack_matches_numpy(m, n, k, depth, c, batch):
                                 np.asarray(h))
 
 
+def _jnp_residual_stack(p, h, key_mask):
+  """The residual stack in the order of attention code, ``(Q K^T) V``, in jnp."""
+  for t in range(p.w1.shape[0]):
+    out = 0
+    for c in range(p.w1.shape[1]):
+      w1, w2, w3, b1, b2, b3 = (a[t, c] for a in p)
+      q, k, v = h @ w3 + b3, (h @ w1 + b1) * key_mask[:, None], h @ w2 + b2
+      out = out + (q @ jnp.swapaxes(k, -1, -2)) @ v
+    h = h + out
+  return h
+
+
+@pytest.mark.parametrize("depth,use_bias", [(2, True), (2, False),
+                                            (6, True)])
+def test_residual_stack_gradient_matches_plain_autodiff(depth, use_bias):
+  # The per-item products have their own gradient (nn._item_matmul): it
+  # must be jax.grad of the plain formula, in the parameters and the input,
+  # unrolled (depth <= 4) and rolled, with and without biases, under vmap.
+  p = _params(31, m=6, n=4, k=3, lead=(depth, 2))
+  if not use_bias:
+    p = p._replace(b1=0 * p.b1, b2=0 * p.b2, b3=0 * p.b3)
+  h = _h(32, 3, 6, 4)
+  key_mask = jnp.asarray([1.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+  cotangent = _h(33, 3, 6, 4)
+  ours = lambda p, h: jnp.sum(cotangent * nn.residual_stack(
+      p, h, key_mask=key_mask, use_bias=use_bias))
+  plain = lambda p, h: jnp.sum(cotangent * _jnp_residual_stack(p, h,
+                                                               key_mask))
+  got = jax.grad(ours, argnums=(0, 1))(p, h)
+  want = jax.grad(plain, argnums=(0, 1))(p, h)
+  names = elsa.ElsaParams._fields if use_bias else ("w1", "w2", "w3")
+  for name in names:
+    np.testing.assert_allclose(np.asarray(getattr(got[0], name)),
+                               np.asarray(getattr(want[0], name)),
+                               rtol=1e-10, atol=1e-12, err_msg=name)
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]),
+                             rtol=1e-10, atol=1e-12)
+  one = lambda h, g: jnp.sum(g * nn.residual_stack(
+      p, h, key_mask=key_mask, use_bias=use_bias))
+  per_item = jax.vmap(jax.grad(one))(h, cotangent)
+  np.testing.assert_allclose(np.asarray(per_item), np.asarray(got[1]),
+                             rtol=1e-10, atol=1e-12)
+
+
 def test_residual_tied_float32_and_bad_input():
   layer = _params(19, m=5, n=3, k=2, lead=(1, 2), dtype=jnp.float32)
   h = _h(20, 4, 5, 3, dtype=jnp.float32)

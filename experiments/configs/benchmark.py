@@ -74,8 +74,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.sweep_eta_fractions = (0.5, 0.9)
   config.sweep_batches = (1, 16, 256)  # tasks per grid point
 
-  # Part 4, the training step (elsa.training.train_step, float32) against a
-  # plain jnp.einsum reference of the same model, loss and optax chain: von
+  # Part 4, the training step on a drawn batch
+  # (elsa.training.train_step_on_batch, float32) against a plain jnp.einsum
+  # reference of the same model, loss and optax chain, and the draw: von
   # Oswald et al.'s task and model (configs/train.py:vonoswald: masked LSA
   # with the residual, one head, tied weights) at these depths and batch,
   # and the default train config's ELSA stack at its depth and batch.
@@ -104,9 +105,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sweep_n_query = 2
     config.sweep_depth = 4
     config.sweep_lams = (0.1,)
-    config.sweep_batches = (1, 4)
-    config.train_lsa_depths = (1, 2)
+    config.sweep_batches = (4,)
+    config.train_lsa_depths = (1,)
     config.train_lsa_batch = 32
-    config.train_elsa_depth = 2
+    config.train_elsa_depth = 1
     config.train_elsa_batch = 16
   return config
