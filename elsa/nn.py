@@ -265,16 +265,21 @@ class ElsaStack(_ElsaBlock):
         lambda a: jnp.broadcast_to(a, (self.depth, *a.shape[1:])), held)
 
   def __call__(self, h: Array, *, return_all: bool = False,
-               key_mask=None) -> Array:
+               key_mask=None, reverse_only: bool = False) -> Array:
     """``h [..., m, n] -> [..., m, n]``, or all states ``[L + 1, ..., m, n]``;
-    ``key_mask [..., m]``: the tokens of every key/value sum (:func:`elsa.elsa`)."""
+    ``key_mask [..., m]``: the tokens of every key/value sum (:func:`elsa.elsa`);
+    ``reverse_only``: as for :func:`residual_stack` (``residual=True`` only)."""
+    if reverse_only and not self.residual:
+      raise ValueError("ElsaStack: reverse_only applies to residual=True "
+                       "stacks (elsa.elsa_stack keeps every transformation).")
+    extra = dict(reverse_only=True) if reverse_only else {}
     return self._pure()(self.to_params(), h, return_all=return_all,
-                        key_mask=self._key_mask(key_mask))
+                        key_mask=self._key_mask(key_mask), **extra)
 
 
 def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
-                   key_mask=None, precision=None, use_bias: bool = True
-                   ) -> Array:
+                   key_mask=None, precision=None, use_bias: bool = True,
+                   reverse_only: bool = False) -> Array:
   r"""``L`` ELSA layers with a residual stream: :math:`h_t = h_{t-1} + \sum_c \mathrm{elsa}(p_{t,c}, h_{t-1})`.
 
   The LSA of von Oswald et al. (2023) and Ahn et al. (2023) when the biases
@@ -295,16 +300,17 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
     use_bias: if false, the biases are neither used nor checked (any shape),
       as for :func:`elsa.lsa`: the stack of ``lsa`` layers, computed without
       adding or multiplying zeros.
+    reverse_only: if true, the two per-item products carry their own
+      reverse-mode gradient (:func:`_item_matmul`), which XLA:CPU runs in its
+      fast library: the training step's choice (BUILD_NOTES, "Speed"). Forward
+      mode (``jax.jvp``, ``jacfwd``, ``jax.hessian``) then does not apply;
+      with the default every transformation does.
 
   Returns:
     ``[..., m, n]``, or ``[L + 1, ..., m, n]`` with ``return_all``.
 
   Raises:
     ValueError, TypeError: as :func:`elsa.elsa_stack` (its checks, run here).
-
-  ``jit``, ``vmap`` and reverse-mode autodiff (``grad``, ``vjp``) apply;
-  forward mode (``jvp``, ``jacfwd``) does not: the per-item products carry
-  their own gradient (:func:`_item_matmul`).
   """
   abstract = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
   if not use_bias:
@@ -327,7 +333,8 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
   biases = (p.b1, p.b2, p.b3) if use_bias else (None,) * 3
 
   def step(state, layer):
-    new = state + _residual_update(*layer, state, key_mask, precision)
+    new = state + _residual_update(*layer, state, key_mask, precision,
+                                   reverse_only)
     return new, (new if return_all else None)
 
   last, states = jax.lax.scan(step, h, (weights, biases),
@@ -337,14 +344,16 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
   return jnp.concatenate([h[None], states], axis=0)
 
 
-def _residual_update(weights, biases, h: Array, key_mask, precision) -> Array:
+def _residual_update(weights, biases, h: Array, key_mask, precision,
+                     reverse_only: bool) -> Array:
   """``sum_c elsa(p_c, h) = sum_c Q_c S_c``, ``S_c = K_c^T diag(mask) V_c``;
   ``biases`` ``None`` leaves them out.
 
   Tokens before components, ``[..., m, C, k]``: a projection is then one
   ``[items * m, n] @ [n, C k]`` dot whose output needs no transpose (with
-  components before tokens XLA:CPU transposed every projection). The two
-  per-item products are plain ``A @ B`` (:func:`_item_matmul`): ``S = K^T V``
+  components before tokens XLA:CPU transposed every projection). With
+  ``reverse_only`` the two per-item products are plain ``A @ B``
+  (:func:`_item_matmul`): ``S = K^T V``
   from the keys transposed once, ``[..., C, k, m]``, and the sum over
   components and inner columns as one contraction over ``C k``,
   ``[m, C k] @ [C k, v]`` (BUILD_NOTES, "Speed").
@@ -356,6 +365,9 @@ def _residual_update(weights, biases, h: Array, key_mask, precision) -> Array:
   keys, values, queries = (project(w, b) for w, b in zip(weights, biases))
   if key_mask is not None:
     values = values * key_mask[..., :, None, None]
+  if not reverse_only:
+    s = ein("...mck,...mcv->...ckv", keys, values)
+    return ein("...mck,...ckv->...mv", queries, s)
   keys_t = _materialised(jnp.einsum("...mck->...ckm", keys))
   s = _item_matmul(keys_t, jnp.swapaxes(values, -3, -2), precision)
   return _item_matmul(queries.reshape(*queries.shape[:-2], -1),

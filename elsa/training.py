@@ -311,17 +311,30 @@ def mse(pred: Array, task: ridge.Task) -> Array:
 
 def loss(params: nnx.State, task: ridge.Task, *, graphdef, rest: nnx.State,
          form) -> Array:
-  """The training loss: MSE over tasks and queries (a scalar)."""
-  model = merge(graphdef, params, rest)
-  return jnp.mean(mse(model_predict(model, form, task), task))
+  """The training loss: MSE over tasks and queries (a scalar).
+
+  Residual stacks run with ``reverse_only`` (:func:`elsa.nn.residual_stack`):
+  differentiate the loss with ``grad``/``vjp``, not forward mode."""
+  return jnp.mean(mse(model_predict(_reverse_only(graphdef, params, rest),
+                                   form, task), task))
 
 
 def grid_loss(params: nnx.State, task: ridge.Task, *, graphdef,
               rest: nnx.State, form) -> Array:
   """Per-task MSE ``[G, B]`` of ``G`` models, ``params`` stacked on axis 0."""
-  per_model = lambda p: mse(model_predict(merge(graphdef, p, rest), form,
-                                          task), task)
+  per_model = lambda p: mse(model_predict(_reverse_only(graphdef, p, rest),
+                                          form, task), task)
   return jax.vmap(per_model)(params)
+
+
+def _reverse_only(graphdef, params: nnx.State, rest: nnx.State):
+  """The merged model as the losses call it: a residual stack with its fast
+  reverse-mode products (:func:`elsa.nn.residual_stack`, ``reverse_only``),
+  since a loss is only ever differentiated in reverse mode."""
+  model = merge(graphdef, params, rest)
+  if getattr(model, "residual", False):
+    return functools.partial(model, reverse_only=True)
+  return model
 
 
 def optimizer(*, learning_rate: float, steps: int, warmup_steps: int = 0,

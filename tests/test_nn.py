@@ -232,9 +232,11 @@ def _jnp_residual_stack(p, h, key_mask):
 @pytest.mark.parametrize("depth,use_bias", [(2, True), (2, False),
                                             (6, True)])
 def test_residual_stack_gradient_matches_plain_autodiff(depth, use_bias):
-  # The per-item products have their own gradient (nn._item_matmul): it
-  # must be jax.grad of the plain formula, in the parameters and the input,
-  # unrolled (depth <= 4) and rolled, with and without biases, under vmap.
+  # With reverse_only the per-item products have their own gradient
+  # (nn._item_matmul): it must be jax.grad of the plain formula, in the
+  # parameters and the input, unrolled (depth <= 4) and rolled, with and
+  # without biases, under vmap. The default keeps forward mode: its jvp
+  # agrees with the same gradient.
   p = _params(31, m=6, n=4, k=3, lead=(depth, 2))
   if not use_bias:
     p = p._replace(b1=0 * p.b1, b2=0 * p.b2, b3=0 * p.b3)
@@ -242,7 +244,7 @@ def test_residual_stack_gradient_matches_plain_autodiff(depth, use_bias):
   key_mask = jnp.asarray([1.0, 1.0, 0.0, 1.0, 1.0, 0.0])
   cotangent = _h(33, 3, 6, 4)
   ours = lambda p, h: jnp.sum(cotangent * nn.residual_stack(
-      p, h, key_mask=key_mask, use_bias=use_bias))
+      p, h, key_mask=key_mask, use_bias=use_bias, reverse_only=True))
   plain = lambda p, h: jnp.sum(cotangent * _jnp_residual_stack(p, h,
                                                                key_mask))
   got = jax.grad(ours, argnums=(0, 1))(p, h)
@@ -255,10 +257,18 @@ def test_residual_stack_gradient_matches_plain_autodiff(depth, use_bias):
   np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]),
                              rtol=1e-10, atol=1e-12)
   one = lambda h, g: jnp.sum(g * nn.residual_stack(
-      p, h, key_mask=key_mask, use_bias=use_bias))
+      p, h, key_mask=key_mask, use_bias=use_bias, reverse_only=True))
   per_item = jax.vmap(jax.grad(one))(h, cotangent)
   np.testing.assert_allclose(np.asarray(per_item), np.asarray(got[1]),
                              rtol=1e-10, atol=1e-12)
+  direction = _h(34, 3, 6, 4)
+  _, tangent = jax.jvp(lambda h: nn.residual_stack(
+      p, h, key_mask=key_mask, use_bias=use_bias), (h,), (direction,))
+  np.testing.assert_allclose(float(jnp.sum(cotangent * tangent)),
+                             float(jnp.sum(got[1] * direction)), rtol=1e-10)
+  with pytest.raises(TypeError, match="forward-mode"):
+    jax.jvp(lambda h: nn.residual_stack(p, h, reverse_only=True), (h,),
+            (direction,))
 
 
 def test_residual_tied_float32_and_bad_input():
