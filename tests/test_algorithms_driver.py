@@ -132,9 +132,12 @@ def test_driver_writes_results_figure_and_resumes(tmp_path, monkeypatch):
       config.algorithms)
 
 
-@pytest.mark.parametrize("name", ["heavy_ball", "chebyshev"])
-def test_runner_is_the_compiled_stack_layer_by_layer(name):
-  """``stack_errors`` (one loop layer in a while_loop) equals ``elsa_stack``
+@pytest.mark.parametrize("name,build", [
+    ("heavy_ball", None), ("chebyshev", None),
+    # Its first iteration is a layer of its own (it also moves the queries).
+    ("gd", algorithms_lib.ridge_gd_natural)])
+def test_runner_is_the_compiled_stack_layer_by_layer(name, build):
+  """``stack_errors`` (the loop layers in a while_loop) equals ``elsa_stack``
   of ``Compiled.params(loops=L)``, and stops at the first layer below tol."""
   N, d, Q, loops = 8, 3, 2, 30
   rng = np.random.default_rng(0)
@@ -149,7 +152,8 @@ def test_runner_is_the_compiled_stack_layer_by_layer(name):
         jnp.asarray(x), lam=lam))
     scalars, schedules = driver.step_scalars(name, mu, mu + (L - mu) * 1.5,
                                              lam=lam, loops=loops)
-    prog = algorithms_lib.ALGORITHMS[name](n_train=N, d=d, n_query=Q)
+    prog = (build or algorithms_lib.ALGORITHMS[name])(n_train=N, d=d,
+                                                      n_query=Q)
     compiled = programs.compile(prog)
     budget = compiled.setup_layers + loops
     run = driver.stack_errors(compiled, budget=budget, dtype=jnp.float64)
