@@ -1,6 +1,19 @@
 """Test-wide settings: float64 available everywhere (each test names its
-dtype), property tests that draw the same examples on every run, and the
-``variant`` fixture."""
+dtype), property tests that draw the same examples on every run, the
+``variant`` fixture, and one persistent compilation cache per test run.
+
+The cache: the suite compiles the same programs in several processes (the
+xdist workers, the drivers' subprocesses, every process of a multi-process
+job), so the first compilation is written to a directory the run creates and
+every later one in any process is read back. The directory is handed to the
+workers and subprocesses through ``JAX_COMPILATION_CACHE_DIR`` and removed at
+the end of the run; every compilation is written, however short
+(``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0``).
+"""
+
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -10,6 +23,30 @@ jax.config.update("jax_enable_x64", True)
 
 settings.register_profile("elsa", derandomize=True, deadline=None)
 settings.load_profile("elsa")
+
+_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
+
+
+def pytest_configure(config):
+  # The controller (or the only process) creates the directory before xdist
+  # starts the workers, which inherit the environment; an outer run's
+  # directory (one given by the user) is used as it is and kept.
+  if _CACHE_DIR not in os.environ:
+    os.environ[_CACHE_DIR] = tempfile.mkdtemp(prefix="elsa-jax-cache-")
+    config.stash[_created] = os.environ[_CACHE_DIR]
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_DIR])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def pytest_unconfigure(config):
+  created = config.stash.get(_created, None)
+  if created is not None:
+    shutil.rmtree(created, ignore_errors=True)
+    del os.environ[_CACHE_DIR]
+
+
+_created = pytest.StashKey[str]()
 
 
 @pytest.fixture(params=["eager", "jit"])
