@@ -1,6 +1,7 @@
 """Test-wide settings: float64 available everywhere (each test names its
 dtype), property tests that draw the same examples on every run, the
-``variant`` fixture, and one persistent compilation cache per test run.
+``variant`` fixture, one persistent compilation cache per test run, and the
+slowest files first.
 
 The cache: the suite compiles the same programs in several processes (the
 xdist workers, the drivers' subprocesses, every process of a multi-process
@@ -47,6 +48,22 @@ def pytest_unconfigure(config):
 
 
 _created = pytest.StashKey[str]()
+
+# The files that take a minute or more (drivers run end to end, several
+# processes, the decompiler's fits), longest first. Run first, they leave the
+# short tests for the end, where xdist's scheduler (README: --dist worksteal)
+# evens out the two workers; and they fall in the first worker's share, whole,
+# so a file's compilations are not repeated in the other worker.
+_SLOW_FIRST = ("test_distributed.py", "test_decompile.py",
+               "test_train_driver.py", "test_sweep.py",
+               "test_decompile_driver.py", "test_benchmark_driver.py",
+               "test_api.py", "test_notebooks.py", "test_algorithms_driver.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = lambda item: (_SLOW_FIRST.index(item.path.name)
+                       if item.path.name in _SLOW_FIRST else len(_SLOW_FIRST))
+  items.sort(key=rank)  # stable: each file's own order is kept
 
 
 @pytest.fixture(params=["eager", "jit"])
