@@ -9,7 +9,9 @@ job), so the first compilation is written to a directory the run creates and
 every later one in any process is read back. The directory is handed to the
 workers and subprocesses through ``JAX_COMPILATION_CACHE_DIR`` and removed at
 the end of the run; every compilation is written, however short
-(``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0``).
+(``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0``: no cost measured on files
+that share nothing). An entry another process is still writing reads as a
+damaged entry: JAX warns and compiles afresh, never runs a wrong program.
 """
 
 import os
@@ -26,6 +28,7 @@ settings.register_profile("elsa", derandomize=True, deadline=None)
 settings.load_profile("elsa")
 
 _CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
+_created = pytest.StashKey[str]()  # the directory this process made
 
 
 def pytest_configure(config):
@@ -46,8 +49,6 @@ def pytest_unconfigure(config):
     shutil.rmtree(created, ignore_errors=True)
     del os.environ[_CACHE_DIR]
 
-
-_created = pytest.StashKey[str]()
 
 # The files that take a minute or more (drivers run end to end, several
 # processes, the decompiler's fits), longest first. Run first, they leave the
