@@ -1,6 +1,22 @@
 """Test-wide settings: float64 available everywhere (each test names its
-dtype), property tests that draw the same examples on every run, and the
-``variant`` fixture."""
+dtype), property tests that draw the same examples on every run, the
+``variant`` fixture, one persistent compilation cache per test run, and the
+slowest files first.
+
+The cache: the suite compiles the same programs in several processes (the
+xdist workers, the drivers' subprocesses, every process of a multi-process
+job), so the first compilation is written to a directory the run creates and
+every later one in any process is read back. The directory is handed to the
+workers and subprocesses through ``JAX_COMPILATION_CACHE_DIR`` and removed at
+the end of the run; every compilation is written, however short
+(``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0``: no cost measured on files
+that share nothing). An entry another process is still writing reads as a
+damaged entry: JAX warns and compiles afresh, never runs a wrong program.
+"""
+
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -10,6 +26,45 @@ jax.config.update("jax_enable_x64", True)
 
 settings.register_profile("elsa", derandomize=True, deadline=None)
 settings.load_profile("elsa")
+
+_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
+_created = pytest.StashKey[str]()  # the directory this process made
+
+
+def pytest_configure(config):
+  # The controller (or the only process) creates the directory before xdist
+  # starts the workers, which inherit the environment; an outer run's
+  # directory (one given by the user) is used as it is and kept.
+  if _CACHE_DIR not in os.environ:
+    os.environ[_CACHE_DIR] = tempfile.mkdtemp(prefix="elsa-jax-cache-")
+    config.stash[_created] = os.environ[_CACHE_DIR]
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_DIR])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def pytest_unconfigure(config):
+  created = config.stash.get(_created, None)
+  if created is not None:
+    shutil.rmtree(created, ignore_errors=True)
+    del os.environ[_CACHE_DIR]
+
+
+# The files that take a minute or more (drivers run end to end, several
+# processes, the decompiler's fits), longest first. Run first, they leave the
+# short tests for the end, where xdist's scheduler (README: --dist worksteal)
+# evens out the two workers; and they fall in the first worker's share, whole,
+# so a file's compilations are not repeated in the other worker.
+_SLOW_FIRST = ("test_distributed.py", "test_decompile.py",
+               "test_train_driver.py", "test_sweep.py",
+               "test_decompile_driver.py", "test_benchmark_driver.py",
+               "test_api.py", "test_notebooks.py", "test_algorithms_driver.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = lambda item: (_SLOW_FIRST.index(item.path.name)
+                       if item.path.name in _SLOW_FIRST else len(_SLOW_FIRST))
+  items.sort(key=rank)  # stable: each file's own order is kept
 
 
 @pytest.fixture(params=["eager", "jit"])

@@ -48,22 +48,6 @@ def _sweep_records_close(got: dict, want: dict) -> None:
         np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6)
 
 
-def test_sweep_slurm_launch_equals_one_process(tmp_path):
-  """srun-style: two processes find each other from SLURM_* alone; process 0
-  writes every file once; the results equal one process on 4 devices."""
-  multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-  finished = multiprocess.launch("sweep", [*SWEEP, f"--workdir={multi}"],
-                                 slurm=True)
-  _assert_ok(finished)
-  one = multiprocess.run_single("sweep", [*SWEEP, f"--workdir={single}"],
-                                devices=4)
-  _assert_ok([one])
-  got, want = _read(multi), _read(single)
-  assert got["devices"] == want["devices"] == 4
-  _sweep_records_close(got, want)
-  assert sorted(os.listdir(multi)) == sorted(os.listdir(single))
-
-
 def test_sweep_refused_config_ends_every_process_with_one_line(tmp_path):
   """A config every process refuses: each exits at once with the same
   message, no traceback, no timeout, and the workdir is never created."""
@@ -84,7 +68,9 @@ def test_sweep_killed_process_stops_the_job_and_the_same_command_resumes(
   """Process 1 killed after the first chunk file: the job stops, the workdir
   holds only whole files and resumes with the same command, every file
   written once. A process that fails (here: it cannot see process 0's files)
-  stops the others at once with its reason."""
+  stops the others at once with its reason. The resuming job is launched
+  srun-style (its two processes find each other from SLURM_* alone); its
+  results and files equal one process on 4 devices."""
   workdir = str(tmp_path / "run")
   args = [*SWEEP, f"--workdir={workdir}"]
   chunks = lambda: sorted(n for n in os.listdir(workdir)
@@ -113,13 +99,20 @@ def test_sweep_killed_process_stops_the_job_and_the_same_command_resumes(
   assert ("sweep: stopped: process 1 failed: FileNotFoundError"
           in failed[0].stderr), multiprocess.report(failed)
 
-  resumed = multiprocess.launch("sweep", args, timeout=150)
+  resumed = multiprocess.launch("sweep", args, timeout=150, slurm=True)
   _assert_ok(resumed)
   results = _read(workdir)
   assert results["devices"] == 4
   assert len(results["records"]) == 2 * 2 * 2 * 3  # forms, lams, etas, depths
   for name, mtime in done.items():  # loaded, not computed again
     assert os.stat(os.path.join(workdir, name)).st_mtime_ns == mtime
+  single = str(tmp_path / "single")
+  _assert_ok([multiprocess.run_single("sweep", [*SWEEP, f"--workdir={single}"],
+                                      devices=4)])
+  want = _read(single)
+  assert want["devices"] == 4
+  _sweep_records_close(results, want)
+  assert sorted(os.listdir(workdir)) == sorted(os.listdir(single))
 
 
 TRAIN = ["--config=experiments/configs/train.py:tiny",
