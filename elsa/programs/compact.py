@@ -80,15 +80,6 @@ def _zeros(prog: Program, steps: list[Step]) -> list[frozenset]:
           for s, zero in zip(steps, zero_sets(prog, steps))]
 
 
-def _value(term, values: dict, scalars: dict) -> np.ndarray:
-  out = None
-  for f in term.factors:
-    x = f.const if f.block is None else values[f.block.name]
-    x = x.T if f.block is not None and f.transposed else x
-    out = x if out is None else out @ x
-  return term.coef.value(scalars) * out
-
-
 def check(prog: Program, step: Step, parts, layout: Layout, zero,
           seed: int = 0) -> list[str]:
   """Where the components ``parts`` of ``step`` are wrong: ``[]`` if exact.
@@ -108,10 +99,7 @@ def check(prog: Program, step: Step, parts, layout: Layout, zero,
   for name, p in step.before.items():
     if name not in zero:
       h[np.ix_(p.rows, p.cols)] = values[name]
-  new = dict(values)
-  for block, expr in step.stage.assignments:
-    new[block.name] = sum((_value(t, values, scalars) for t in expr.terms),
-                          np.zeros(block.shape))
+  new = {**values, **step.stage.values(values, scalars)}
   want = np.zeros((m, n))
   owner = np.full((m, n), "a cell of no block", dtype=object)
   for name, p in step.after.items():

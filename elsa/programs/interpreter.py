@@ -24,30 +24,9 @@ from elsa.programs.compiler import (Schedule, _check_values, _dtype,
                                     _no_layers, _runtime_scalars, _solve)
 from elsa.programs.language import Program, Stage
 
-_EXACT = jax.lax.Precision.HIGHEST
-
-
-def _term_value(term, values: dict, scalars: dict, dtype) -> Array:
-  out = None
-  for f in term.factors:
-    if f.block is None:
-      x = jnp.asarray(f.const, dtype)
-    else:
-      x = values[f.block.name]
-      x = jnp.swapaxes(x, -1, -2) if f.transposed else x
-    out = x if out is None else jnp.matmul(out, x, precision=_EXACT)
-  return jnp.asarray(term.coef.value(scalars), dtype) * out
-
-
 def _apply(stage: Stage, values: dict, scalars: dict, dtype) -> dict:
-  """One layer: the new value of every assigned state, from the old values."""
-  new = dict(values)
-  for block, expr in stage.assignments:
-    total = jnp.zeros_like(values[block.name])
-    for term in expr.terms:
-      total = total + _term_value(term, values, scalars, dtype)
-    new[block.name] = total
-  return new
+  """One layer: every block, the assigned ones new, from the old values."""
+  return {**values, **stage.values(values, scalars, xp=jnp, dtype=dtype)}
 
 
 def run(prog: Program, *, loops: int, dtype=None, **kwargs) -> dict[str, Array]:

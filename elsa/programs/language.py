@@ -650,6 +650,37 @@ class Stage:
   label: str
   part: tuple[int, int] = (1, 1)
 
+  def values(self, old: Mapping[str, Any], scalars: Mapping[str, Any], *,
+             xp=np, dtype=None) -> dict:
+    """The new value of every block the stage assigns, all from the ``old``
+    values (assignments are simultaneous): ``sum_t coef_t * F_1 @ F_2 @ ...``.
+
+    ``xp``: ``jax.numpy`` (:func:`elsa.programs.run`, matmuls at the highest
+    precision, constants and coefficients in ``dtype``) or ``numpy`` (the
+    compiler's layer check, :func:`elsa.programs.compact.check`).
+    """
+    matmul = (np.matmul if xp is np else
+              lambda a, b: xp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
+
+    def term_value(term):
+      out = None
+      for f in term.factors:
+        if f.block is None:
+          x = xp.asarray(f.const, dtype)
+        else:
+          x = old[f.block.name]
+          x = xp.swapaxes(x, -1, -2) if f.transposed else x
+        out = x if out is None else matmul(out, x)
+      return xp.asarray(term.coef.value(scalars), dtype) * out
+
+    new = {}
+    for block, expr in self.assignments:
+      total = xp.zeros_like(old[block.name], dtype)
+      for term in expr.terms:
+        total = total + term_value(term)
+      new[block.name] = total
+    return new
+
 
 # Keyword arguments of Compiled.encode/params and programs.run, beside which
 # blocks and scalars are passed by name.
