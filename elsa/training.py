@@ -443,13 +443,22 @@ def train_step(state: TrainState, key: Array, *, graphdef, rest: nnx.State,
   Returns:
     the new state and the loss on this step's batch (before the update).
   """
-  dtype = jax.tree.leaves(state.params)[0].dtype
-  task = sample_tasks(jax.random.fold_in(key, state.step), spec, batch=batch,
+  task = _draw(key, state.step, spec, batch=batch,
+               dtype=jax.tree.leaves(state.params)[0].dtype,
+               batch_sharding=batch_sharding)
+  return train_step_on_batch(state, task, graphdef=graphdef, rest=rest,
+                             form=spec.model_tokens(), tx=tx)
+
+
+def _draw(key: Array, step: Array, spec: TaskSpec, *, batch: int, dtype,
+          batch_sharding) -> ridge.Task:
+  """Step ``step``'s batch: tasks from ``fold_in(key, step)``, the task axis
+  split by ``batch_sharding`` (if any)."""
+  task = sample_tasks(jax.random.fold_in(key, step), spec, batch=batch,
                       dtype=dtype)
   if batch_sharding is not None:
     task = jax.lax.with_sharding_constraint(task, batch_sharding)
-  return train_step_on_batch(state, task, graphdef=graphdef, rest=rest,
-                             form=spec.model_tokens(), tx=tx)
+  return task
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "tx", "batch",
@@ -484,10 +493,8 @@ def train_grid_steps(states: TrainState, key: Array, *, graphdef,
 
   def body(states, _):
     # The points advance together: the first one's count is every one's.
-    task = sample_tasks(jax.random.fold_in(key, states.step[0]), spec,
-                        batch=batch, dtype=dtype)
-    if batch_sharding is not None:
-      task = jax.lax.with_sharding_constraint(task, batch_sharding)
+    task = _draw(key, states.step[0], spec, batch=batch, dtype=dtype,
+                 batch_sharding=batch_sharding)
     # One grid point after another (lax.map), one compilation: on 2 CPU
     # cores a vmapped grid of 4 points at L = 4 was slower (121 ms per step
     # against 86 ms, one noisy measurement each).
