@@ -298,7 +298,8 @@ def _agrees(mix: _Mix, fixed: np.ndarray, want: _Mix, present) -> bool:
 
 
 def components(step: Step, layout: Layout, zero=frozenset()) -> list[Component]:
-  """The components of one planned layer: the column mix first, then the rest.
+  """The components of one planned layer: the column mix first, then the
+  constant, the products and the corrections.
 
   ``zero``: blocks known to be zero before the layer (zero-initialised states
   not yet written), whose cells the column mix may leave to other blocks.
@@ -324,7 +325,7 @@ def components(step: Step, layout: Layout, zero=frozenset()) -> list[Component]:
     mix[0], constant.parts = (folded, []) if folded else (mix[0],
                                                           constant.parts)
   return mix[:1] + ([constant] if constant.parts else []) + _merged(
-      mix[1:] + out)
+      out + mix[1:])
 
 
 def _with_constant(mix: Component, constant: Component, m: int,

@@ -179,7 +179,8 @@ def _token_groups(prog: Program, stages) -> _Groups:
   for a, b, why in copies + rest:
     ra, rb = groups.find(a.name), groups.find(b.name)
     if (ra != rb and groups.rows[ra] == groups.rows[rb]
-        and not (pinned(ra) and pinned(rb))):
+        and not (pinned(ra) and pinned(rb))
+        and (why != "equal row counts" or not (pinned(ra) or pinned(rb)))):
       groups.join(a, b, why)
   return groups
 
@@ -312,7 +313,7 @@ def solve(prog: Program, stages) -> tuple[Layout, list[Step], list[Stage]]:
   # reader (its cells cleared) where it would break a later term: dropped,
   # not moved. Then pinned inputs move out of shared columns until every
   # term is exact, each time the one that clears the most offences (the
-  # smallest on a tie).
+  # smallest on a tie, then the last declared: the queries, not the examples).
   last_read = {}  # the last stage whose input holds the block
   for i, stage in enumerate(stages):
     for _, c in _stage_terms(stage):
@@ -362,7 +363,8 @@ def solve(prog: Program, stages) -> tuple[Layout, list[Step], list[Stage]]:
                 f"programs: in {stage.label}, {target.name} = ...: the term "
                 f"`{c.text}` cannot be laid out exactly: {'; '.join(reasons)}.")
     best = min(candidates, key=lambda b: (offences(moved_to(b, home), dropped),
-                                          b.shape[0] * b.shape[1]))
+                                          b.shape[0] * b.shape[1],
+                                          -pinned.index(b)))
     home = moved_to(best, home)
     moved.append(best.name)
   n = n_cols(home)
