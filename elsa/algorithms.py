@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from elsa import programs
+from elsa import forms, programs
 from elsa.attention import Array, float_dtype
 
 
@@ -99,25 +99,12 @@ def ridge_gd_natural(*, n_train: int, d: int, n_query: int = 1,
   is no read-out layer, and all three decay alike, so the compiler lays them
   out in one column. The query tokens move out of ``X``'s columns during the
   first iteration (they meet ``p`` there, still zero), so layer ``t`` holds
-  GD step ``t``: ``compiled.read(hs, "w")[t] == ridge.gd(...)[t]``, the
-  layout of the hand form (BUILD_NOTES.md, "Matrix programs"). Scalars:
-  ``lam``, ``eta`` (a ``[loops]`` schedule allowed).
+  GD step ``t``: ``compiled.read(hs, "w")[t] == ridge.gd(...)[t]``. It is the
+  program :class:`elsa.forms.Natural` is built on (``Natural(...).program``).
+  Scalars: ``lam``, ``eta`` (a ``[loops]`` schedule allowed).
   """
-  prog = programs.Program()
-  X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
-                             n_out=n_out)
-  N = n_train
-  w = prog.state("w", (d, n_out))
-  Xw = prog.state("Xw", (N, n_out))
-  lam, eta = prog.scalar("lam"), prog.scalar("eta")
-  decay = 1 - eta * lam
-  body = {w: decay * w + (eta / N) * (X.T @ y - X.T @ Xw),
-          Xw: decay * Xw + (eta / N) * (X @ X.T @ y - X @ X.T @ Xw)}
-  if Xq is not None:
-    p = prog.state("p", (n_query, n_out))
-    body[p] = decay * p + (eta / N) * (Xq @ X.T @ y - Xq @ X.T @ Xw)
-  prog.loop(body)
-  return prog
+  return forms.Natural(n_train=n_train, d=d, n_query=n_query,
+                       n_out=n_out).program
 
 
 def preconditioned_gd(*, n_train: int, d: int, preconditioner, n_query: int = 1,

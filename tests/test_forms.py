@@ -228,6 +228,42 @@ def test_vmap_over_a_lam_eta_grid(form_cls):
 
 
 @pytest.mark.parametrize("form_cls", FORMS)
+@pytest.mark.parametrize("n_train,d,n_query,n_out", [
+    (8, 3, 2, 1), (4, 2, 2, 1), (2, 4, 2, 3), (6, 4, 0, 2), (1, 1, 1, 1)])
+def test_forms_are_their_compiled_programs(form_cls, n_train, d, n_query,
+                                           n_out):
+  # The compiled program has the form's tokens, no set-up layer and the
+  # form's components per layer, also where the queries are as many as the
+  # w-rows (Q = d: rows not shared with the pinned tokens) or the examples
+  # (N = Q: the queries move, not the examples); without queries it drops
+  # the empty z columns. Its stack, run on its own columns, gives the form's
+  # states in the form's columns at every layer.
+  form = form_cls(n_train=n_train, d=d, n_query=n_query, n_out=n_out)
+  compiled = form.compiled
+  C = 2 if form_cls is forms.Designed or not n_query else 3
+  assert (compiled.m, compiled.n, compiled.width, compiled.setup_layers) == (
+      form.m, form.n - (0 if n_query else d), C, 0)
+  assert compiled.layout["X"] == (list(range(n_train)), list(range(d)))
+  x, y, xq = task(3, (2,), n_train, d, n_query, n_out, jnp.float64)
+  lam, L = 0.1, 6
+  eta = eta_for(x, lam, fraction=0.3)
+  hs = elsa.elsa_stack(form.gd_params(lam=lam, eta=eta, depth=L),
+                       form.encode(x, y, x_query=xq), return_all=True)
+  blocks = dict(X=x, y=y.reshape(2, n_train, n_out))
+  if n_query:
+    blocks["Xq"] = xq
+  if form_cls is forms.Designed:
+    zeros = lambda rows: np.zeros((2, rows, n_out))
+    blocks.update(w=zeros(d), Xw=zeros(n_train),
+                  **({"p": zeros(n_query)} if n_query else {}))
+  own = elsa.elsa_stack(compiled.params(lam=lam, eta=eta, loops=L),
+                        compiled.encode(**blocks), return_all=True)
+  np.testing.assert_allclose(hs[..., form._columns()], own, rtol=0,
+                             atol=1e-13)
+  assert not np.any(np.delete(np.asarray(hs), form._columns(), axis=-1))
+
+
+@pytest.mark.parametrize("form_cls", FORMS)
 def test_layout_and_params_shapes(form_cls):
   n_train, d, n_query, n_out = 5, 3, 2, 2
   form = form_cls(n_train=n_train, d=d, n_query=n_query, n_out=n_out)

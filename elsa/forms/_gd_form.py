@@ -21,24 +21,42 @@ their docstrings). One GD step on every prediction slot at once is
 with ``q = x_i`` (example), ``x_q`` (query) or ``e_j`` (w-row ``j``): one ELSA
 layer of two components, :func:`decayed_skip` and :func:`gradient_head`.
 Queries sit in the ``z`` columns so that they never enter the key/value sum.
+
+The forms are built on the compiler: :attr:`GDForm.program` writes this step
+as a matrix program with ``w``, the example predictions ``Xw`` and the query
+predictions ``p`` as states, :func:`elsa.programs.compile` lays them out in
+one column (they decay alike) and emits the components, and the form reads
+the compiled stack in its own column order. BUILD_NOTES.md ("Input forms")
+derives the components the compiler emits.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from elsa import constructions
+from elsa import programs
 from elsa.attention import Array, ElsaParams
 from elsa.forms._token_form import TokenForm
 
 
-class GDForm(TokenForm):
-  """Base of the GD input forms: layout, decoding, the GD layer and stack.
+@functools.lru_cache(maxsize=None)
+def _compile(form: "GDForm") -> programs.Compiled:
+  """The form's program compiled once per form (forms hash by value)."""
+  return programs.compile(form.program)
 
-  Subclasses define ``encode`` (the initial state) and ``_gd_stack`` (the
-  layers of :meth:`gd_params`); everything else is shared. Sizes, validation
-  and value equality come from :class:`~elsa.forms._token_form.TokenForm`.
+
+class GDForm(TokenForm):
+  """Base of the GD input forms: layout, program, decoding, the GD layer and stack.
+
+  Subclasses define ``encode`` (the initial state) and ``_query_columns``
+  (where the queries arrive: ``x`` for :class:`~elsa.forms.Natural`, ``z``
+  for :class:`~elsa.forms.Designed`); everything else is shared. Sizes,
+  validation and value equality come from
+  :class:`~elsa.forms._token_form.TokenForm`.
 
   Attributes:
     n_train, d, n_query, n_out: examples ``N``, input dimension ``d``, queries ``Q``,
@@ -46,6 +64,7 @@ class GDForm(TokenForm):
     m, n: token count ``N + Q + d`` and feature count ``2d + 2 n_out`` of a state.
     example_rows, query_rows, w_rows: row slices of the three token blocks.
     x_cols, y_cols, z_cols, p_cols: column slices of the four feature blocks.
+    program, compiled: the GD step as a matrix program, and its compiled stack.
 
   ``n_out`` is the number of target columns. With ``n_out == 1`` the targets
   are scalars: ``encode`` takes ``y`` as ``[..., N]`` (or ``[..., N, 1]``) and
@@ -69,6 +88,111 @@ class GDForm(TokenForm):
     """Feature count of a state, ``2d + 2 n_out``."""
     return 2 * self.d + 2 * self.n_out
 
+  # --- the program ------------------------------------------------------------
+
+  @property
+  def _query_columns(self) -> slice:
+    """The columns where :meth:`encode` puts the queries (set by the subclass)."""
+    raise NotImplementedError
+
+  @property
+  def program(self) -> programs.Program:
+    r"""GD on ridge regression with every prediction a state:
+
+    .. math::
+      w' = (1 - \eta\lambda) w + \tfrac{\eta}{N} X^\top (y - Xw), \quad
+      (Xw)' = (1 - \eta\lambda) Xw + \tfrac{\eta}{N} X X^\top (y - Xw), \quad
+      p' = (1 - \eta\lambda) p + \tfrac{\eta}{N} X_q X^\top (y - Xw),
+
+    inputs ``X``, ``y`` and ``Xq`` pinned to the rows and columns of the
+    layout table (the queries in :attr:`_query_columns`), states ``w``, the
+    example predictions ``Xw`` and the query predictions ``p``, scalars
+    ``lam`` and ``eta`` (a ``[loops]`` schedule allowed), one loop.
+    """
+    N, d, Q, k = self.n_train, self.d, self.n_query, self.n_out
+    cols = lambda block: range(self.n)[block]
+    prog = programs.Program()
+    X = prog.input("X", (N, d), at=(range(N), cols(self.x_cols)))
+    y = prog.input("y", (N, k), at=(range(N), cols(self.y_cols)))
+    w = prog.state("w", (d, k))
+    Xw = prog.state("Xw", (N, k))
+    lam, eta = prog.scalar("lam"), prog.scalar("eta")
+    decay = 1 - eta * lam
+    body = {w: decay * w + (eta / N) * (X.T @ y - X.T @ Xw),
+            Xw: decay * Xw + (eta / N) * (X @ X.T @ y - X @ X.T @ Xw)}
+    if Q:
+      Xq = prog.input("Xq", (Q, d), at=(range(self.m)[self.query_rows],
+                                        cols(self._query_columns)))
+      p = prog.state("p", (Q, k))
+      body[p] = decay * p + (eta / N) * (Xq @ X.T @ y - Xq @ X.T @ Xw)
+    prog.loop(body)
+    return prog
+
+  def _block_columns(self) -> dict:
+    cols = lambda block: range(self.n)[block]
+    return dict(X=cols(self.x_cols), y=cols(self.y_cols),
+                Xq=cols(self.z_cols), w=cols(self.p_cols),
+                Xw=cols(self.p_cols), p=cols(self.p_cols))
+
+  @property
+  def compiled(self) -> programs.Compiled:
+    """``programs.compile(self.program)``, compiled once per form: the stack
+    every parameter method of the form reads, in the compiler's column order
+    (``print(form.compiled)`` shows it)."""
+    return _compile(self)
+
+  def _columns(self) -> np.ndarray:
+    """``[compiled.n]``: the form column of each column of the compiled stack.
+
+    The compiler orders columns its own way; the form keeps the order its
+    attributes name. Columns the compiler left out (the query columns with
+    ``n_query == 0``) stay zero in every state and parameter.
+    """
+    cols = np.full(self.compiled.n, -1)
+    for name, (_, compiled_cols) in self.compiled.layout.items():
+      cols[compiled_cols] = list(self._block_columns()[name])
+    assert np.all(cols >= 0) and len(set(cols)) == len(cols), cols
+    return cols
+
+  def _in_form_columns(self, a: Array, axis: int) -> Array:
+    """``a`` with its ``axis`` of compiled columns laid out as the form's ``n``
+    columns, zero where the compiler has none (a gather: numpy for concrete
+    ``a``, jax.numpy for traced)."""
+    xp = jnp if isinstance(a, jax.core.Tracer) else np
+    index = np.full(self.n, self.compiled.n)
+    index[self._columns()] = np.arange(self.compiled.n)
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, 1)
+    return xp.take(xp.pad(a, pad), index, axis=axis)
+
+  def _from_compiled_state(self, h: Array) -> Array:
+    """``[..., m, compiled.n] -> [..., m, n]``: the state in the form's columns."""
+    return self._in_form_columns(h, -1)
+
+  def _from_compiled_params(self, p: ElsaParams) -> ElsaParams:
+    """The compiled stack's parameters acting on the form's columns.
+
+    With ``S`` the ``[compiled.n, n]`` placement of the compiled columns,
+    ``h_form = h S`` and ``h = h_form S^T``: the weights read ``S^T W``, the
+    outputs ``W2 S`` and ``B2 S``, and every component's value is placed by
+    ``S``.
+    """
+    rows = lambda a: self._in_form_columns(a, -2)
+    cols = lambda a: self._in_form_columns(a, -1)
+    traced = any(isinstance(a, jax.core.Tracer) for a in p)
+    p = p if traced else ElsaParams(*(np.asarray(a) for a in p))
+    dtype = p.w1.dtype
+    out = p._replace(w1=rows(p.w1), w3=rows(p.w3), w2=cols(rows(p.w2)),
+                     b2=cols(p.b2))
+    return ElsaParams(*(jnp.asarray(a, dtype) for a in out))
+
+  def _encode_blocks(self, **blocks) -> Array:
+    """``compiled.encode(**blocks)`` in the form's columns; no query blocks
+    without queries."""
+    if not self.n_query:
+      blocks = {k: v for k, v in blocks.items() if k not in ("Xq", "p")}
+    return self._from_compiled_state(self.compiled.encode(**blocks))
+
   # --- decoding -------------------------------------------------------------
   # decode_w and decode_pred are TokenForm's, on _w_block and _pred_block.
 
@@ -77,26 +201,15 @@ class GDForm(TokenForm):
     return self._out(self._read("decode_train_pred", h, self.example_rows,
                                 self.p_cols))
 
-  # --- encoding helpers ------------------------------------------------------
-
-  def _assemble(self, *, x_cols_ex, y_ex, p_ex, x_cols_q, z_q, p_q, p_w):
-    """Concatenates the blocks of the layout table into ``[..., m, n]``."""
-    batch, dtype = y_ex.shape[:-2], y_ex.dtype
-    zeros = lambda rows, cols: jnp.zeros((*batch, rows, cols), dtype)
-    N, Q, d, n_out = self.n_train, self.n_query, self.d, self.n_out
-    example = jnp.concatenate([x_cols_ex, y_ex, zeros(N, d), p_ex], axis=-1)
-    query = jnp.concatenate([x_cols_q, zeros(Q, n_out), z_q, p_q], axis=-1)
-    w = jnp.concatenate([zeros(d, 2 * d + n_out), p_w], axis=-1)
-    return jnp.concatenate([example, query, w], axis=-2)
-
   # --- parameters ------------------------------------------------------------
 
   def gd_params(self, *, lam, eta, depth: int, dtype=None) -> ElsaParams:
     r"""``depth`` GD layers: leaves ``[depth, C, ...]`` for :func:`elsa.elsa_stack`.
 
     Layer ``t`` (1-based) performs :math:`w_t = (1 - \eta_t\lambda) w_{t-1} -
-    \frac{\eta_t}{N} X^\top (X w_{t-1} - y)`. How, and so ``C``, is in the
-    docstrings of :class:`~elsa.forms.Designed` and
+    \frac{\eta_t}{N} X^\top (X w_{t-1} - y)`: ``compiled.params(lam=lam,
+    eta=eta, loops=depth)`` in the form's columns. Its components, and so
+    ``C``, are in the docstrings of :class:`~elsa.forms.Designed` and
     :class:`~elsa.forms.Natural`.
 
     Args:
@@ -117,8 +230,10 @@ class GDForm(TokenForm):
     return self._jit("gd_params", "_gd_stack", lam, etas)
 
   def _gd_stack(self, lam: Array, etas: Array) -> ElsaParams:
-    """The layers of :meth:`gd_params` from checked ``lam: []``, ``etas: [L]``."""
-    raise NotImplementedError
+    """The layers of :meth:`gd_params` from checked ``lam: []``, ``etas: [L]``:
+    ``compiled.params`` in the form's columns."""
+    return self._from_compiled_params(self.compiled.params(
+        lam=lam, eta=etas, loops=etas.shape[0], dtype=lam.dtype))
 
   def gd_basis(self, *, depth: int, dtype=None) -> ElsaParams:
     r"""The components of :meth:`gd_params` with ``lam`` and ``eta`` taken out: ``[depth, C, ...]``.
@@ -126,19 +241,17 @@ class GDForm(TokenForm):
     With ``a = gd_coefficients(lam=lam, eta=eta, depth=depth)``,
     ``elsa.elsa_stack(gd_basis(depth=L), h, coeffs=a)`` computes
     ``elsa.elsa_stack(gd_params(lam=lam, eta=eta, depth=L), h)``: the
-    decayed skip is the identity with its output columns scaled by
-    ``diag(D)``, ``D = diag(1 on x, y, z; 1 - eta_t lam on p)``, and the
+    decayed skip is the skip at ``lam = 0`` with its output columns scaled
+    by ``diag(D)``, ``D = diag(1 on x, y, z; 1 - eta_t lam on p)``, and the
     gradient head is linear in ``eta``,
 
     .. math::
       h \mapsto h\, D_t + \eta_t\, \mathrm{head}_1(h).
 
-    So the components are :func:`elsa.constructions.identity` and
-    :meth:`gradient_head` with ``eta = 1`` (and, for
-    :class:`~elsa.forms.Natural`, its query move): ``C`` as in
-    :meth:`gd_params`. They do not depend on ``lam`` or ``eta``, so one basis
-    serves every item of a sweep, and the items' projections run as one
-    matmul instead of one parameter stack per item.
+    So the basis is :meth:`gd_params` at ``lam = 0, eta = 1``: ``C`` as
+    there. It does not depend on ``lam`` or ``eta``, so one basis serves
+    every item of a sweep, and the items' projections run as one matmul
+    instead of one parameter stack per item.
 
     Args:
       depth: number of layers ``L >= 1`` (static).
@@ -151,6 +264,10 @@ class GDForm(TokenForm):
     self._check_int(self._name("gd_basis"), "depth", depth, low=1)
     dtype = self._float_dtype("gd_basis", dtype)
     return self._jit("gd_basis", "_gd_basis", depth=depth, dtype=dtype)
+
+  def _gd_basis(self, *, depth: int, dtype) -> ElsaParams:
+    return self._from_compiled_params(self.compiled.params(
+        lam=0.0, eta=1.0, loops=depth, dtype=dtype))
 
   def gd_coefficients(self, *, lam, eta, depth: int, dtype=None) -> Array:
     r"""Per-column coefficients ``[depth, C, n]`` of :meth:`gd_basis`, the ``coeffs`` of :func:`elsa.elsa_stack`.
@@ -166,21 +283,13 @@ class GDForm(TokenForm):
                                method="gd_coefficients")
     return self._jit("gd_coefficients", "_gd_coefficients", lam, etas)
 
-  def _gd_basis(self, *, depth: int, dtype) -> ElsaParams:
-    """The layers of :meth:`gd_basis` (set by the subclass)."""
-    raise NotImplementedError
-
-  def _basis_components(self, dtype) -> list[ElsaParams]:
-    """The identity and the gradient head with ``eta = 1``."""
-    return [constructions.identity(self.m, self.n, dtype=dtype),
-            self.gradient_head(eta=1, dtype=dtype)]
-
   def _gd_coefficients(self, lam: Array, etas: Array) -> Array:
-    """``[L, 2, n]``: the coefficients of :meth:`_basis_components`."""
+    """``[L, C, n]``: skip, head, then 1 for every further component."""
     is_p = jnp.zeros(self.n, bool).at[self.p_cols].set(True)
     skip = jnp.where(is_p, 1 - etas[:, None] * lam, jnp.ones((), etas.dtype))
     head = jnp.broadcast_to(etas[:, None], skip.shape)
-    return jnp.stack([skip, head], axis=1)
+    rest = [jnp.ones_like(skip)] * (self.compiled.width - 2)
+    return jnp.stack([skip, head, *rest], axis=1)
 
   def _schedule(self, *, lam, eta, depth, dtype, method="gd_params"):
     """Validates ``lam, eta, depth``; returns ``lam`` and ``eta`` as ``[depth]``."""
@@ -194,31 +303,30 @@ class GDForm(TokenForm):
     self._in_range(method, "eta", eta, low=0, strict=True)
     return lam, jnp.broadcast_to(eta, (depth,))
 
-  def _col_selector(self, cols: slice, dtype) -> Array:
-    """``[n, width]``: ``h @ S`` reads the columns ``cols``."""
-    return constructions.selector(self.n, range(self.n)[cols], dtype=dtype)
+  # --- building blocks: components of the compiled layers -----------------------
 
   def decayed_skip(self, *, lam, eta, dtype=None) -> ElsaParams:
     """``h -> h D``, ``D = diag(1 on x, y, z; 1 - eta lam on p)``: one component.
 
-    :func:`elsa.constructions.linear` with ``P = I``: the term
-    ``(h W3)(B1^T B2)`` with ``W3 = I_n``, ``B1^T B2 = D`` when ``m >= n``,
-    else the bias route ``B3 B1^T (h W2)`` with ``B3 = B1 = I_m``, ``W2 = D``.
+    The compiler's column mix, :func:`elsa.constructions.linear`'s ``P = I``
+    route: the term ``(h W3)(B1^T B2)`` with ``W3 = I_n``, ``B1^T B2 = D``
+    when ``m >= n``, else ``B3 B1^T (h W2)`` with ``B3 = B1 = I_m``,
+    ``W2 = D``.
 
     ``lam``, ``eta``: scalars (Python numbers or arrays, may be traced);
     ``dtype`` as in :meth:`gd_params`. The same holds for the other building
     blocks (:meth:`gradient_head`, :meth:`gd_layer`, :meth:`gd_layers`).
     """
     lam, eta = self._scalars("decayed_skip", dtype, lam=lam, eta=eta)
-    is_p = jnp.zeros(self.n, bool).at[self.p_cols].set(True)
-    diag = jnp.where(is_p, 1 - eta * lam, jnp.ones((), lam.dtype))
-    return constructions.linear(None, jnp.diag(diag), m=self.m)
+    return _component(self.gd_layer(lam=lam, eta=eta), 0)
 
   def gradient_head(self, *, eta, dtype=None) -> ElsaParams:
     r"""Adds ``(eta/N) q^T X^T (y - p)`` to the p columns of every row: one component.
 
-    Inner width ``d``. Only two of the eight terms of
-    ``(hW3 + B3)(hW1 + B1)^T(hW2 + B2)`` are nonzero (``B1 = B2 = 0``):
+    The compiler merges the program's three gradient terms (into ``w``,
+    ``Xw`` and ``p``, equal in their second and third factors) into one
+    component; only two of the eight terms of ``(hW3 + B3)(hW1 + B1)^T(hW2 +
+    B2)`` are nonzero (``B1 = B2 = 0``):
 
     * ``K = h W1``, ``W1`` reads the x columns: ``x_i`` on examples, 0 on
       queries (their x sits in z) and on w-rows.
@@ -231,28 +339,29 @@ class GDForm(TokenForm):
       the weights.
     """
     eta, = self._scalars("gradient_head", dtype, eta=eta)
-    dtype = eta.dtype
-    sel_x = self._col_selector(self.x_cols, dtype)
-    sel_z = self._col_selector(self.z_cols, dtype)
-    sel_y = self._col_selector(self.y_cols, dtype)
-    sel_p = self._col_selector(self.p_cols, dtype)
-    w_rows = constructions.selector(self.m, range(self.m)[self.w_rows],
-                                    dtype=dtype)
-    head = ElsaParams.zeros(m=self.m, n=self.n, k=self.d, dtype=dtype)
-    return head._replace(w1=sel_x, w3=sel_x + sel_z, b3=w_rows,
-                         w2=(eta / self.n_train) * (sel_y - sel_p) @ sel_p.T)
+    return _component(self.gd_layer(lam=0, eta=eta), 1)
 
   def gd_layer(self, *, lam, eta, dtype=None) -> ElsaParams:
     """One GD step on a state of the layout table: leaves ``[2, ...]``."""
     lam, eta = self._scalars("gd_layer", dtype, lam=lam, eta=eta)
-    return constructions.layer(self.decayed_skip(lam=lam, eta=eta),
-                               self.gradient_head(eta=eta))
+    return _component(self.gd_layers(lam=lam, etas=eta[None]), 0)
 
   def gd_layers(self, *, lam, etas, dtype=None) -> ElsaParams:
-    """``len(etas)`` GD layers, one per step size ``etas [L]``: leaves ``[L, 2, ...]``."""
+    """``len(etas)`` GD layers, one per step size ``etas [L]``: leaves ``[L, 2, ...]``.
+
+    The layers after the first of :meth:`gd_params` (for
+    :class:`~elsa.forms.Natural` the first also moves the queries), without
+    the padding component.
+    """
     method = "gd_layers"
     dtype = self._float_dtype(method, dtype, lam, etas)
     lam, etas = self._scalar(method, "lam", lam, dtype), jnp.asarray(etas, dtype)
     if etas.ndim != 1:
       raise self._shape_error(self._name(method), "etas", "[L]", etas.shape)
-    return jax.vmap(lambda eta: self.gd_layer(lam=lam, eta=eta))(etas)
+    stack = self._gd_stack(lam, jnp.concatenate([etas[:1], etas]))
+    return jax.tree.map(lambda a: a[1:, :2], stack)
+
+
+def _component(p: ElsaParams, index: int) -> ElsaParams:
+  """Entry ``index`` of the leading axis of every leaf."""
+  return jax.tree.map(lambda a: a[index], p)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from elsa import constructions
-from elsa.attention import Array, ElsaParams
+from elsa.attention import Array
 from elsa.forms._gd_form import GDForm
 
 
@@ -22,7 +21,8 @@ class Designed(GDForm):
   x_query=xq, w0=w0), return_all=True)`` holds ``w_t`` of
   :func:`elsa.ridge.gd` (same ``w0``) in state ``t`` for ``t = 0..L``.
   Every layer of ``gd_params`` is :meth:`gd_layer`, two components (``C =
-  2``): the decayed skip and the gradient head (see :mod:`elsa.forms._gd_form`).
+  2``): the decayed skip and the gradient head (see :mod:`elsa.forms._gd_form`),
+  the compiled :attr:`program` with the queries arriving in ``z``.
 
   Args:
     n_train: examples per task ``N``.
@@ -56,17 +56,10 @@ class Designed(GDForm):
       w0 = jnp.zeros((*x.shape[:-2], self.d, self.n_out), x.dtype)
     return self._jit("encode", "_initial_state", x, y, x_query, w0)
 
+  @property
+  def _query_columns(self) -> slice:
+    return self.z_cols
+
   def _initial_state(self, x, y, x_query, w0) -> Array:
-    return self._assemble(
-        x_cols_ex=x, y_ex=y, p_ex=x @ w0,
-        x_cols_q=jnp.zeros_like(x_query), z_q=x_query, p_q=x_query @ w0,
-        p_w=w0)
-
-  def _gd_stack(self, lam, etas) -> ElsaParams:
-    """Every layer is :meth:`gd_layer`: ``C = 2``."""
-    return self.gd_layers(lam=lam, etas=etas)
-
-  def _gd_basis(self, *, depth, dtype) -> ElsaParams:
-    """Every layer is :meth:`_basis_components`: ``C = 2``."""
-    layer = constructions.layer(*self._basis_components(dtype))
-    return ElsaParams(*(jnp.broadcast_to(a, (depth, *a.shape)) for a in layer))
+    return self._encode_blocks(X=x, y=y, Xq=x_query, w=w0, Xw=x @ w0,
+                               p=x_query @ w0)

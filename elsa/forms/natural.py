@@ -24,11 +24,8 @@ value ``(eta/N)(0 - p_q)`` vanishes only because ``p_q = x_q^T w0 = 0``.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
-from elsa import constructions
 from elsa.attention import Array, ElsaParams
-from elsa.forms._gd_form import GDForm
+from elsa.forms._gd_form import GDForm, _component
 
 
 class Natural(GDForm):
@@ -40,7 +37,9 @@ class Natural(GDForm):
   ``gd_params`` has ``C = 3`` components per layer (``2`` if ``Q == 0``):
   layer 1 is :meth:`first_layer`; layers ``2..L`` are the Designed layers,
   padded with one zero component (exact: it adds 0) so every layer has the
-  same ``C`` for :func:`elsa.elsa_stack`.
+  same ``C`` for :func:`elsa.elsa_stack`. Both are the compiled
+  :attr:`program` with the queries arriving in ``x``: the compiler moves them
+  home to ``z`` during the first iteration (:meth:`move_queries`).
 
   Args:
     n_train: examples per task ``N``.
@@ -72,23 +71,28 @@ class Natural(GDForm):
     x, y, x_query, _ = self._check_inputs(x, y, x_query)
     return self._jit("encode", "_initial_state", x, y, x_query)
 
+  @property
+  def _query_columns(self) -> slice:
+    return self.x_cols
+
   def _initial_state(self, x, y, x_query) -> Array:
-    zeros = lambda rows: jnp.zeros((*x.shape[:-2], rows, self.n_out), x.dtype)
-    return self._assemble(
-        x_cols_ex=x, y_ex=y, p_ex=zeros(self.n_train),
-        x_cols_q=x_query, z_q=jnp.zeros_like(x_query),
-        p_q=zeros(self.n_query), p_w=zeros(self.d))
+    return self._encode_blocks(X=x, y=y, Xq=x_query)
 
   def move_queries(self, *, dtype=None) -> ElsaParams:
     """On the query rows, ``x -> z``: adds ``x_q`` to z and ``-x_q`` to x. One component.
 
-    :func:`elsa.constructions.rows_linear` over the query rows with
-    ``Q = S_x S_z^T - S_x S_x^T`` (``S_x, S_z`` the column selectors): the term
-    ``B3 B1^T (h W2)`` with ``B3 = B1`` the query-row selector
-    (``TokenForm._move_query_x`` with scale 1). Needs ``n_query >= 1``.
+    The compiler's correction of the first layer's column mix on the query
+    rows (the mix carries x on every row; the queries' home is z):
+    :func:`elsa.constructions.rows_linear` over the query rows with ``Q =
+    S_x S_z^T - S_x S_x^T`` (``S_x, S_z`` the column selectors), the term
+    ``B3 B1^T (h W2)`` with ``B3 = B1`` the query-row selector. Needs
+    ``n_query >= 1``.
     """
     dtype = self._float_dtype("move_queries", dtype)
-    return self._move_query_x(self.z_cols, scale=1, dtype=dtype)
+    if not self.n_query:
+      raise ValueError("Natural.move_queries: there are no queries to move "
+                       "(n_query=0).")
+    return _component(self.first_layer(lam=0, eta=1, dtype=dtype), 2)
 
   def first_layer(self, *, lam, eta, dtype=None) -> ElsaParams:
     """Layer 1: decayed skip, gradient head, query move; leaves ``[C, ...]``.
@@ -100,34 +104,4 @@ class Natural(GDForm):
     :meth:`gd_params`.
     """
     lam, eta = self._scalars("first_layer", dtype, lam=lam, eta=eta)
-    parts = [self.decayed_skip(lam=lam, eta=eta), self.gradient_head(eta=eta)]
-    if self.n_query:
-      parts.append(self.move_queries(dtype=eta.dtype))
-    return constructions.layer(*parts)
-
-  def _gd_stack(self, lam, etas) -> ElsaParams:
-    """Layer 1 is :meth:`first_layer`, the rest :meth:`gd_layer` (padded)."""
-    first = self.first_layer(lam=lam, eta=etas[0])
-    if etas.shape[0] == 1:
-      return constructions.stack(first)
-    return constructions.stack(first, self.gd_layers(lam=lam, etas=etas[1:]))
-
-  def _gd_basis(self, *, depth, dtype) -> ElsaParams:
-    """Layer 1: :meth:`_basis_components` and the query move; the rest:
-    :meth:`_basis_components` (padded). ``C`` as in :meth:`gd_params`."""
-    parts = self._basis_components(dtype)
-    if self.n_query:
-      parts.append(self.move_queries(dtype=dtype))
-    first = constructions.layer(*parts)
-    if depth == 1:
-      return constructions.stack(first)
-    rest = constructions.layer(*self._basis_components(dtype))
-    return constructions.stack(first, ElsaParams(*(
-        jnp.broadcast_to(a, (depth - 1, *a.shape)) for a in rest)))
-
-  def _gd_coefficients(self, lam, etas) -> Array:
-    """Those of :class:`GDForm`, and 1 for the query move (zero after layer 1)."""
-    coeffs = super()._gd_coefficients(lam, etas)
-    if not self.n_query:
-      return coeffs
-    return jnp.concatenate([coeffs, jnp.ones_like(coeffs[:, :1])], axis=1)
+    return _component(self._gd_stack(lam, eta[None]), 0)
