@@ -888,13 +888,17 @@ def test_natural_ridge_gd_compiles_to_the_natural_form_exactly():
     compiled.encode(X=x, y=yv, Xq=xq, p=np.ones((Q, 1)))
 
 
-def test_natural_newton_schulz_compiles_to_the_newton_form_exactly():
+@pytest.mark.parametrize("N,d,Q", [(20, 5, 3), (4, 2, 2)])
+def test_natural_newton_schulz_compiles_to_the_newton_form_exactly(N, d, Q):
   """``algorithms.newton_schulz_natural``: the size of ``forms.Newton`` (m,
   n, components per layer, two set-up layers) and its ``w``, ``M`` and
   predictions at every layer; ``Xq`` is cleared after the first layer (not
-  moved), ``U = Xq M`` shares ``M``'s columns and ``p`` ``w``'s."""
+  moved), ``U = Xq M`` shares ``M``'s columns and ``p`` ``w``'s. At 4, 2, 2
+  (``m < n + d``) the constants ``alpha I`` and ``lam I`` cannot ride in the
+  column mix: the copy and the Gram host them, so every layer still has 3
+  components."""
   from elsa import algorithms
-  N, d, Q, T, lam = 20, 5, 3, 8, 0.05
+  T, lam = 8, 0.05
   rng = np.random.default_rng(80)
   x, yv, xq = (rng.normal(size=(N, d)), rng.normal(size=(N, 1)),
                rng.normal(size=(Q, d)))
@@ -928,6 +932,35 @@ def test_natural_newton_schulz_compiles_to_the_newton_form_exactly():
                      F64_RTOL)
   np.testing.assert_array_equal(compiled.read(hs, "Xq")[0], xq)
   np.testing.assert_array_equal(compiled.read(hs, "Xq")[1:], 0)
+
+
+def test_a_constant_the_mix_cannot_take_rides_in_a_product():
+  """``S = X^T X + c I`` on 5 tokens by 6 features: the mix would need ``m >=
+  n + 3``; the Gram hosts ``c I`` in new inner columns (``B3 = S_R``, ``B1 =
+  S_Z``, ``B2 = S_Z c_R`` on rows where its keys and values are zero), so the
+  layer is two components, exact, also for a traced ``c``; a Gram reading
+  every row has no such rows and the constant keeps its own component."""
+  rng = np.random.default_rng(7)
+  x = rng.normal(size=(2, 3))
+  prog = programs.Program()
+  X = prog.input("X", (2, 3))
+  S = prog.state("S", (3, 3))
+  c = prog.scalar("c")
+  prog.layer({S: X.T @ X + c * programs.eye(3)})
+  compiled = programs.compile(prog)
+  assert (compiled.m, compiled.n, compiled.components) == (5, 6, [["mix",
+                                                                   "gram"]])
+  for value in (0.7, jnp.asarray(-1.3)):
+    hs = elsa.elsa_stack(jax.jit(lambda c: compiled.params(loops=0, c=c))(
+        value), compiled.encode(X=x), return_all=True)
+    assert rel(compiled.read(hs, "S")[1], x.T @ x + float(value) * np.eye(3)
+               ) < F64_RTOL
+  full = programs.Program()
+  X = full.input("X", (3, 3))
+  S = full.state("S", (3, 3), init=X)
+  c = full.scalar("c")
+  full.loop({S: S.T @ S + c * programs.eye(3)})
+  assert "constant" in programs.compile(full).components[-1]
 
 
 def test_a_first_iteration_that_moves_inputs_needs_loops_of_at_least_one():

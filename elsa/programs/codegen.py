@@ -69,7 +69,8 @@ class Component:
 
   ``kind`` ``"mix"`` and ``"constant"`` build their leaves from the summed
   matrix through :mod:`elsa.constructions`; every other kind is
-  ``ElsaParams`` with ``fixed`` leaves and the sum in leaf ``scaled``.
+  ``ElsaParams`` with ``fixed`` leaves and the sum in leaf ``scaled``, plus
+  the layer's constant in ``B2`` if it ``hosted`` it (:func:`_host_constant`).
   ``targets``: the blocks whose terms it computes.
   """
   kind: str
@@ -79,6 +80,7 @@ class Component:
   parts: list = dataclasses.field(default_factory=list)  # (base, Scalar)
   base: Any = None  # the part without a coefficient (mix: the carries)
   targets: frozenset = frozenset()
+  hosted: list = dataclasses.field(default_factory=list)  # (B2 base, Scalar)
 
   def total(self, values: Mapping, dtype=None):
     """The summed leaf: jax arrays of ``dtype``, or numpy if ``dtype`` is None."""
@@ -129,6 +131,8 @@ def apply(parts: list[Component], h: np.ndarray, values: Mapping
   for c in parts:
     k, leaves, scaled, embed = c.leaves(m, n)
     leaves[scaled] = embed(c.total(values))
+    if c.hosted:
+      leaves["b2"] = sum(coef.value(values) * base for base, coef in c.hosted)
 
     def factor(pair):
       w, b = (leaves.get(leaf) for leaf in pair)
@@ -308,6 +312,10 @@ def components(step: Step, layout: Layout, zero=frozenset()) -> list[Component]:
   before, after = step.before, step.after
   mix = _column_mix(step, m, n, zero)
   constant = Component("constant")
+  seen = np.zeros((m, n), bool)  # the cells that may be nonzero before it
+  for name, p in before.items():
+    if name not in zero:
+      seen[np.ix_(p.rows, p.cols)] = True
   out = []
   for block, c in step.terms:
     target = after[block.name]
@@ -320,12 +328,58 @@ def components(step: Step, layout: Layout, zero=frozenset()) -> list[Component]:
     part = _product(c, target, before, m, n)
     part.targets = frozenset([block.name])
     out.append(part)
+  rest = _merged(out + mix[1:])
   if constant.parts:
     folded = _with_constant(mix[0], constant, m, n)
-    mix[0], constant.parts = (folded, []) if folded else (mix[0],
-                                                          constant.parts)
-  return mix[:1] + ([constant] if constant.parts else []) + _merged(
-      out + mix[1:])
+    if folded:
+      mix[0], constant.parts = folded, []
+    elif _host_constant(rest, constant, seen, m, n):
+      constant.parts = []
+  return mix[:1] + ([constant] if constant.parts else []) + rest
+
+
+def _host_constant(parts: list[Component], constant: Component,
+                   seen: np.ndarray, m: int, n: int) -> bool:
+  """Adds the layer's constant ``c`` to one of ``parts``; whether it could.
+
+  With ``R`` the ``r`` rows where ``c`` is nonzero and ``Z`` ``r`` rows where
+  the component's keys and values are zero (``seen``, the cells that may be
+  nonzero before the layer, is empty in the columns ``W1`` and ``W2`` read,
+  and ``B1`` is zero), ``r`` new inner columns get ``B3 = S_R``, ``B1 =
+  S_Z`` and ``W3 = W1 = 0``, and ``B2 = S_Z c_R``. They add ``S_R (h W2 +
+  B2)[Z] = S_R c_R = c``; the old ones add ``(h W3 + B3)(h W1 + B1)[Z]^T
+  c_R = 0``. The hand-laid Newton form hides ``[lam I | alpha I]`` in its
+  Gram component this way.
+  """
+  rows = np.flatnonzero(np.any([np.any(b != 0, axis=1)
+                                for b, _ in constant.parts], axis=0))
+  for part in parts:
+    if part.scaled != "w2" or "b2" in part.fixed or part.hosted:
+      continue
+    read = np.any([np.any(np.asarray(b) != 0, axis=1) for b, _ in part.parts]
+                  + [np.zeros(n, bool)], axis=0)
+    if "w1" in part.fixed:
+      read |= np.any(part.fixed["w1"] != 0, axis=1)
+    busy = np.any(seen[:, read], axis=1)
+    if "b1" in part.fixed:
+      busy |= np.any(part.fixed["b1"] != 0, axis=1)
+    free = np.flatnonzero(~busy)
+    if len(free) < len(rows):
+      continue
+    k, r = part.k, len(rows)
+    shapes = dict(w1=n, w3=n, b1=m, b3=m)
+    for leaf, size in shapes.items():
+      old = part.fixed.get(leaf, np.zeros((size, k)))
+      part.fixed[leaf] = np.concatenate([old, np.zeros((size, r))], axis=1)
+    part.fixed["b3"][rows, k + np.arange(r)] = 1
+    part.fixed["b1"][free[:r], k + np.arange(r)] = 1
+    for base, coef in constant.parts:
+      b2 = np.zeros((m, n))
+      b2[free[:r]] = np.asarray(base)[rows]
+      part.hosted.append((b2, coef))
+    part.k = k + r
+    return True
+  return False
 
 
 def _with_constant(mix: Component, constant: Component, m: int,
@@ -478,11 +532,12 @@ def table(parts: list[Component], *, m: int, n: int, C: int,
       put(fixed, i, leaf, value)
     if c.base is not None:
       put(fixed, i, scaled, embed(np.asarray(c.base)))
-    for text, base in c.summed_parts().items():
-      if text not in bases:
-        bases[text] = zeros()
-        coefs[text] = next(s for _, s in c.parts if s.text == text)
-      put(bases[text], i, scaled, embed(base))
+    for leaf, pairs, place in ((scaled, c.parts, embed),
+                               ("b2", c.hosted, lambda a: a)):
+      for base, coef in pairs:
+        if coef.text not in bases:
+          bases[coef.text], coefs[coef.text] = zeros(), coef
+        put(bases[coef.text], i, leaf, place(np.asarray(base)))
   order = sorted(bases)
   params = lambda d: ElsaParams(**d)
   return LayerTable(params(fixed), [coefs[t] for t in order],
