@@ -70,7 +70,10 @@ class Component:
   ``kind`` ``"mix"`` and ``"constant"`` build their leaves from the summed
   matrix through :mod:`elsa.constructions`; every other kind is
   ``ElsaParams`` with ``fixed`` leaves and the sum in leaf ``scaled``, plus
-  the layer's constant in ``B2`` if it ``hosted`` it (:func:`_host_constant`).
+  ``extra`` sums ``(leaf, base, coefficient)`` in other leaves: the layer's
+  constant in ``B2`` where a product hosts it (:func:`_host_constant`), the
+  coefficients in the first factor where products differing only there and
+  in their coefficients merge (:func:`_merged`).
   ``targets``: the blocks whose terms it computes.
   """
   kind: str
@@ -80,7 +83,7 @@ class Component:
   parts: list = dataclasses.field(default_factory=list)  # (base, Scalar)
   base: Any = None  # the part without a coefficient (mix: the carries)
   targets: frozenset = frozenset()
-  hosted: list = dataclasses.field(default_factory=list)  # (B2 base, Scalar)
+  extra: list = dataclasses.field(default_factory=list)  # (leaf, base, Scalar)
 
   def total(self, values: Mapping, dtype=None):
     """The summed leaf: jax arrays of ``dtype``, or numpy if ``dtype`` is None."""
@@ -131,8 +134,8 @@ def apply(parts: list[Component], h: np.ndarray, values: Mapping
   for c in parts:
     k, leaves, scaled, embed = c.leaves(m, n)
     leaves[scaled] = embed(c.total(values))
-    if c.hosted:
-      leaves["b2"] = sum(coef.value(values) * base for base, coef in c.hosted)
+    for leaf, base, coef in c.extra:
+      leaves[leaf] = leaves.get(leaf, 0) + coef.value(values) * base
 
     def factor(pair):
       w, b = (leaves.get(leaf) for leaf in pair)
@@ -248,26 +251,21 @@ def _column_mix(step: Step, m: int, n: int, zero) -> list[Component]:
   columns present on their rows; a later group that agrees with what is
   fixed (if need be only once its blocks in ``zero``, known to be zero
   before the layer, are left out) fixes its own too, one that does not gets
-  a correction ``rows_linear`` on its rows.
+  a correction ``rows_linear`` on its rows. Where that leaves corrections,
+  the groups also try fixing only their blocks not known to be zero first,
+  and the mix with fewer corrections is kept.
   """
-  mix, fixed = _Mix(n), np.zeros((n, n), bool)
   wanted = _mix_wanted(step, m, n, frozenset())
   wanted_zero = {rows: present for rows, present, _ in
                  _mix_wanted(step, m, n, zero)}
-  corrections = []
-  for rows, present, want in wanted:
-    for mask in (present, wanted_zero[rows]):
-      if _agrees(mix, fixed, want, mask):
-        for text, base in want.bases.items():
-          mix.coefs.setdefault(text, want.coefs[text])
-          mix.bases.setdefault(text, np.zeros((n, n)))
-        for text, base in mix.bases.items():
-          new = want.bases.get(text, np.zeros((n, n)))
-          base[mask] = new[mask]
-        fixed[mask] = True
-        break
-    else:
-      corrections.append((rows, present, want))
+  mix, corrections = _fix_mix(wanted, wanted_zero, n, zero_first=False)
+  if corrections:
+    # A larger group that leaves its zero blocks' columns free may spare a
+    # smaller one its correction (Newton's M rows, M still zero, beside the
+    # query rows carrying U in the same columns).
+    other = _fix_mix(wanted, wanted_zero, n, zero_first=True)
+    if len(other[1]) < len(corrections):
+      mix, corrections = other
   out = []
   for rows, present, want in corrections:
     parts = []
@@ -283,6 +281,29 @@ def _column_mix(step: Step, m: int, n: int, zero) -> list[Component]:
   carries = mix.bases.pop("1", np.zeros((n, n)))
   return [Component("mix", base=carries, parts=[
       (base, mix.coefs[t]) for t, base in mix.bases.items()])] + out
+
+
+def _fix_mix(wanted, wanted_zero, n: int, zero_first: bool):
+  """``(mix, corrections)``: the groups in order fix ``D`` where they agree
+  with it, on the columns present on their rows, or (first if
+  ``zero_first``) only those of their blocks not known to be zero."""
+  mix, fixed = _Mix(n), np.zeros((n, n), bool)
+  corrections = []
+  for rows, present, want in wanted:
+    masks = (present, wanted_zero[rows])
+    for mask in masks[::-1] if zero_first else masks:
+      if _agrees(mix, fixed, want, mask):
+        for text, base in want.bases.items():
+          mix.coefs.setdefault(text, want.coefs[text])
+          mix.bases.setdefault(text, np.zeros((n, n)))
+        for text, base in mix.bases.items():
+          new = want.bases.get(text, np.zeros((n, n)))
+          base[mask] = new[mask]
+        fixed[mask] = True
+        break
+    else:
+      corrections.append((rows, present, want))
+  return mix, corrections
 
 
 def _agrees(mix: _Mix, fixed: np.ndarray, want: _Mix, present) -> bool:
@@ -354,7 +375,7 @@ def _host_constant(parts: list[Component], constant: Component,
   rows = np.flatnonzero(np.any([np.any(b != 0, axis=1)
                                 for b, _ in constant.parts], axis=0))
   for part in parts:
-    if part.scaled != "w2" or "b2" in part.fixed or part.hosted:
+    if part.scaled != "w2" or "b2" in part.fixed or part.extra:
       continue
     read = np.any([np.any(np.asarray(b) != 0, axis=1) for b, _ in part.parts]
                   + [np.zeros(n, bool)], axis=0)
@@ -376,7 +397,7 @@ def _host_constant(parts: list[Component], constant: Component,
     for base, coef in constant.parts:
       b2 = np.zeros((m, n))
       b2[free[:r]] = np.asarray(base)[rows]
-      part.hosted.append((b2, coef))
+      part.extra.append(("b2", b2, coef))
     part.k = k + r
     return True
   return False
@@ -434,10 +455,12 @@ def _merged(parts: list[Component]) -> list[Component]:
   First, a component equal in every leaf to one written for another block
   is dropped (the kept one computes both: they share columns, so it reads
   each block's left factor on its own tokens). Then components equal in the
-  first and second factors add their third (``W2`` or ``B2``); then
-  components equal in the second and third join their first: ``W3`` are 0/1
-  column selectors and join as a union (a column read for two blocks is
-  read once, on each block's tokens), ``B3`` place rows and add.
+  second and third factors join their first: ``W3`` are 0/1 column selectors
+  and join as a union (a column read for two blocks is read once, on each
+  block's tokens), ``B3`` place rows and add; components equal in the second
+  factor and in the third up to its coefficient join with the coefficients
+  moved to the first (:func:`_rescaled`); last, components equal in the
+  first and second factors add their third (``W2`` or ``B2``).
   """
   kept = {}
   for part in parts:
@@ -448,17 +471,8 @@ def _merged(parts: list[Component]) -> list[Component]:
       same.targets |= part.targets
     else:
       kept[key if same is None else (key, id(part))] = part
-  summed = {}
-  for part in kept.values():
-    key = (part.scaled, _key(part, _FIRST + _SECOND))
-    same = summed.get(key)
-    if same is None:
-      summed[key] = part
-    else:
-      same.parts.extend(part.parts)
-      same.targets |= part.targets
   joined = {}
-  for part in summed.values():
+  for part in kept.values():
     key = (_key(part, _SECOND), _parts_key(part))
     same = joined.get(key)
     if same is None:
@@ -471,7 +485,56 @@ def _merged(parts: list[Component]) -> list[Component]:
     if "b3" in part.fixed:
       same.fixed["b3"] = same.fixed.get("b3", 0) + part.fixed["b3"]
     same.targets |= part.targets
-  return list(joined.values())
+  summed = {}
+  for part in _rescaled(list(joined.values())):
+    key = (part.scaled, _key(part, _FIRST + _SECOND)) if not part.extra else id(
+        part)
+    same = summed.get(key)
+    if same is None:
+      summed[key] = part
+    else:
+      same.parts.extend(part.parts)
+      same.targets |= part.targets
+  return list(summed.values())
+
+
+def _rescaled(parts: list[Component]) -> list[Component]:
+  """Components equal in the second factor whose third factors differ only in
+  their coefficient, merged with the coefficients moved to the first factor.
+
+  The output is linear in each factor, so ``sum_i F_i K^T (c_i V) = (sum_i
+  c_i F_i) K^T V``: the merged ``W2`` is the shared unscaled ``V`` weight and
+  ``W3``/``B3`` carry the coefficients (Newton's ``w_0 = (alpha/N) X^T y`` on
+  the M rows and ``p_0 = (1/N) U X^T y`` on the query rows, one component as
+  in the hand-laid form).
+  """
+  groups = {}
+  for part in parts:
+    summed = part.summed_parts()
+    if (part.scaled == "w2" and part.base is None and not part.extra
+        and len(summed) == 1 and "w2" not in part.fixed):
+      (base,) = summed.values()
+      key = (_key(part, _SECOND), np.asarray(base).tobytes())
+    else:
+      key = id(part)
+    groups.setdefault(key, []).append(part)
+  out = []
+  for group in groups.values():
+    if len(group) == 1:
+      out += group
+      continue
+    (base,) = group[0].summed_parts().values()
+    terms = [(leaf, p.fixed[leaf], p.parts[0][1]) for p in group
+             for leaf in _FIRST if leaf in p.fixed]
+    scaled = terms[0][0]
+    fixed = {leaf: group[0].fixed[leaf] for leaf in _SECOND
+             if leaf in group[0].fixed}
+    out.append(Component(
+        group[0].kind, k=group[0].k, fixed={**fixed, "w2": np.asarray(base)},
+        scaled=scaled, parts=[(b, c) for leaf, b, c in terms if leaf == scaled],
+        extra=[t for t in terms if t[0] != scaled],
+        targets=frozenset().union(*(p.targets for p in group))))
+  return out
 
 
 _SHAPES = {"w1": "nk", "w3": "nk", "w2": "nn", "b1": "mk", "b3": "mk",
@@ -532,12 +595,11 @@ def table(parts: list[Component], *, m: int, n: int, C: int,
       put(fixed, i, leaf, value)
     if c.base is not None:
       put(fixed, i, scaled, embed(np.asarray(c.base)))
-    for leaf, pairs, place in ((scaled, c.parts, embed),
-                               ("b2", c.hosted, lambda a: a)):
-      for base, coef in pairs:
-        if coef.text not in bases:
-          bases[coef.text], coefs[coef.text] = zeros(), coef
-        put(bases[coef.text], i, leaf, place(np.asarray(base)))
+    scaled_parts = [(scaled, embed(np.asarray(b)), coef) for b, coef in c.parts]
+    for leaf, base, coef in scaled_parts + c.extra:
+      if coef.text not in bases:
+        bases[coef.text], coefs[coef.text] = zeros(), coef
+      put(bases[coef.text], i, leaf, np.asarray(base))
   order = sorted(bases)
   params = lambda d: ElsaParams(**d)
   return LayerTable(params(fixed), [coefs[t] for t in order],
