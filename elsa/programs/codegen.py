@@ -47,7 +47,9 @@ _FIRST, _SECOND, _THIRD = ("w3", "b3"), ("w1", "b1"), ("w2", "b2")
 
 def _columns(n: int, cols) -> np.ndarray:
   """``[n, len(cols)]``: ``h @ S`` reads the columns ``cols``."""
-  return np.eye(n)[:, list(cols)]
+  out = np.zeros((n, len(cols)))
+  out[list(cols), np.arange(len(cols))] = 1
+  return out
 
 
 def _on_rows(m: int, rows, block: np.ndarray) -> np.ndarray:
@@ -57,9 +59,16 @@ def _on_rows(m: int, rows, block: np.ndarray) -> np.ndarray:
   return out
 
 
+def _grid(rows, cols) -> tuple:
+  """``np.ix_(rows, cols)`` for sequences of ints, without its type checks
+  (the compaction builds every layer of every candidate layout)."""
+  return (np.array(rows, dtype=np.intp).reshape(-1, 1),
+          np.array(cols, dtype=np.intp))
+
+
 def _in_cells(shape, rows, cols, block: np.ndarray) -> np.ndarray:
   out = np.zeros(shape)
-  out[np.ix_(list(rows), list(cols))] = block
+  out[_grid(rows, cols)] = block
   return out
 
 
@@ -207,23 +216,31 @@ class _Mix:
     if coef.text not in self.bases:
       self.coefs[coef.text] = coef
       self.bases[coef.text] = np.zeros((self.n, self.n))
-    self.bases[coef.text][np.ix_(list(rows), list(cols))] += block
+    self.bases[coef.text][_grid(rows, cols)] += block
 
 
-def _mix_wanted(step: Step, m: int, n: int, zero) -> list:
-  """``[(rows, present, wanted)]`` per token group: the columns that may be
-  nonzero on those rows before the layer (``present``, as a mask; blocks in
-  ``zero`` left out) and the mix ``wanted`` there (rows of ``present``)."""
+def _present(step: Step, n: int, zero) -> dict:
+  """``{rows: present}`` per token group: the columns that may be nonzero on
+  those rows before the layer (a mask; blocks in ``zero`` left out)."""
+  groups = {p.rows: np.zeros(n, bool)
+            for where in (step.before, step.after) for p in where.values()}
+  for name, p in step.before.items():
+    if name not in zero:
+      groups[p.rows][list(p.cols)] = True
+  return groups
+
+
+def _mix_wanted(step: Step, m: int, n: int) -> list:
+  """``[(rows, present, wanted)]`` per token group, largest first: the
+  columns that may be nonzero on those rows before the layer (``present``,
+  :func:`_present` of every block) and the mix ``wanted`` there (rows of
+  ``present``)."""
   before, after = step.before, step.after
   assigned = {block.name for block, _ in step.stage.assignments}
-  groups = {}
-  for name, p in list(before.items()) + list(after.items()):
-    groups.setdefault(p.rows, [np.zeros(n, bool), _Mix(n)])
-  for name, p in before.items():
-    if name not in zero:
-      groups[p.rows][0][list(p.cols)] = True
+  groups = {rows: [present, _Mix(n)]
+            for rows, present in _present(step, n, frozenset()).items()}
   for name, p in after.items():
-    if name in assigned or name in zero:
+    if name in assigned:
       continue
     old = before[name]
     groups[old.rows][1].add(Scalar.of(1), old.cols, p.cols,
@@ -255,9 +272,8 @@ def _column_mix(step: Step, m: int, n: int, zero) -> list[Component]:
   the groups also try fixing only their blocks not known to be zero first,
   and the mix with fewer corrections is kept.
   """
-  wanted = _mix_wanted(step, m, n, frozenset())
-  wanted_zero = {rows: present for rows, present, _ in
-                 _mix_wanted(step, m, n, zero)}
+  wanted = _mix_wanted(step, m, n)
+  wanted_zero = _present(step, n, zero)
   mix, corrections = _fix_mix(wanted, wanted_zero, n, zero_first=False)
   if corrections:
     # A larger group that leaves its zero blocks' columns free may spare a

@@ -117,14 +117,20 @@ def _steps(steps: list[Step], start: dict, home: dict) -> list[Step]:
           for i, s in enumerate(steps)]
 
 
-def _plan(prog, layout, steps, width=None):
+def _plan(prog, layout, steps, zeros, width=None, order=None):
   """Components of every step; ``None`` if a layer is not exact or (with
-  ``width``) takes more components than that."""
-  zeros = _zeros(prog, steps)
-  out = [codegen.components(step, layout, zero)
-         for step, zero in zip(steps, zeros)]
-  if width is not None and _cost(out) > width:
-    return None
+  ``width``) takes more components than that. ``zeros``: :func:`_zeros` of
+  ``steps`` (placements do not change it).
+
+  ``order``: the steps to generate first (the widest of the current plans,
+  the likeliest to exceed ``width``): a layer over ``width`` rejects the
+  layout before the other layers are generated or any layer is checked.
+  """
+  out = [None] * len(steps)
+  for i in order or range(len(steps)):
+    out[i] = codegen.components(steps[i], layout, zeros[i])
+    if width is not None and len(out[i]) > width:
+      return None
   for step, parts, zero in zip(steps, out, zeros):
     if check(prog, step, parts, layout, zero):
       return None
@@ -137,12 +143,14 @@ def _cost(plans) -> int:
 
 
 def _cells_overlap(where: dict) -> bool:
-  seen = set()
+  """Whether two placements of ``where`` share a cell: a column and a row."""
+  rows_of = {}  # column -> the rows placed in it so far
   for p in where.values():
-    cells = {(r, c) for r in p.rows for c in p.cols}
-    if seen & cells:
-      return True
-    seen |= cells
+    for c in set(p.cols):
+      seen = rows_of.setdefault(c, set())
+      if not seen.isdisjoint(p.rows):
+        return True
+      seen.update(p.rows)
   return False
 
 
@@ -166,18 +174,29 @@ def _pinned(layout: Layout, name: str) -> bool:
 def _share_columns(prog, layout, steps, plans):
   """Greedy: share the widest columns first, keep a share only if every
   layer stays exact and none gets more components."""
+  zeros = _zeros(prog, steps)
   while True:
-    classes = sorted({p.cols for k, p in layout.home.items()
-                      if k in layout.moved or not _pinned(layout, k)},
-                     key=lambda c: (-len(c), c))
+    # Rows per column class at home: of every block (rows_at) and of the
+    # blocks a share moves (moving_rows). A share that moves a block onto
+    # rows a block in the new columns holds puts both on one cell, which
+    # _share refuses: refused here before the layout is built (most pairs,
+    # e.g. states on the same tokens).
+    rows_at, moving_rows = {}, {}
+    for k, p in layout.home.items():
+      rows_at.setdefault(p.cols, set()).update(p.rows)
+      if k in layout.moved or not _pinned(layout, k):
+        moving_rows.setdefault(p.cols, set()).update(p.rows)
+    classes = sorted(moving_rows, key=lambda c: (-len(c), c))
+    widest = sorted(range(len(plans)), key=lambda i: -len(plans[i]))
     for a, b in itertools.combinations(classes, 2):
-      if len(a) != len(b):
+      if len(a) != len(b) or not rows_at[a].isdisjoint(moving_rows[b]):
         continue
       shared = _share(layout, a, b)
       if shared is None:
         continue
       new_steps = _steps(steps, shared.start, shared.home)
-      new_plans = _plan(prog, shared, new_steps, width=_cost(plans))
+      new_plans = _plan(prog, shared, new_steps, zeros, width=_cost(plans),
+                        order=widest)
       if new_plans is not None:
         layout, steps, plans = shared, new_steps, new_plans
         break
@@ -197,7 +216,7 @@ def _peel(prog, layout, steps, stages, plans):
                  layout.home)
   new_steps = [first] + steps[1:]
   peeled = dataclasses.replace(layout, relocation_layers=0, peeled=True)
-  new_plans = _plan(prog, peeled, new_steps)
+  new_plans = _plan(prog, peeled, new_steps, _zeros(prog, new_steps))
   if new_plans is None:
     return layout, steps, stages, plans
   return peeled, new_steps, stages[1:], new_plans
@@ -230,9 +249,10 @@ def compact(prog: Program, layout: Layout, steps: list[Step],
     ValueError: a layer of the solved layout is not exact (a bug: the
       message names the layer and the blocks).
   """
-  plans = _plan(prog, layout, steps)
+  zeros = _zeros(prog, steps)
+  plans = _plan(prog, layout, steps, zeros)
   if plans is None:
-    for step, zero in zip(steps, _zeros(prog, steps)):
+    for step, zero in zip(steps, zeros):
       wrong = check(prog, step, codegen.components(step, layout, zero), layout,
                     zero)
       if wrong:
