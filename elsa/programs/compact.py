@@ -142,6 +142,11 @@ def _cost(plans) -> int:
   return max(len(p) for p in plans)
 
 
+def _total(plans) -> tuple[int, int]:
+  """Components of the widest layer, then of all layers."""
+  return _cost(plans), sum(len(p) for p in plans)
+
+
 def _cells_overlap(where: dict) -> bool:
   """Whether two placements of ``where`` share a cell: a column and a row."""
   rows_of = {}  # column -> the rows placed in it so far
@@ -173,35 +178,56 @@ def _pinned(layout: Layout, name: str) -> bool:
 
 def _share_columns(prog, layout, steps, plans):
   """Greedy: share the widest columns first, keep a share only if every
-  layer stays exact and none gets more components."""
+  layer stays exact and none gets more components. In each round the first
+  share that saves components is kept; if none does, the first after which
+  a further share saves some, else the first that costs none (at d = 1 every
+  block of Newton–Schulz is one column wide: `A`/`p` comes first in column
+  order and saves nothing, `w`/`p` saves nothing alone but lets `M`/`U`
+  save the loop layer two components)."""
   zeros = _zeros(prog, steps)
   while True:
-    # Rows per column class at home: of every block (rows_at) and of the
-    # blocks a share moves (moving_rows). A share that moves a block onto
-    # rows a block in the new columns holds puts both on one cell, which
-    # _share refuses: refused here before the layout is built (most pairs,
-    # e.g. states on the same tokens).
-    rows_at, moving_rows = {}, {}
-    for k, p in layout.home.items():
-      rows_at.setdefault(p.cols, set()).update(p.rows)
-      if k in layout.moved or not _pinned(layout, k):
-        moving_rows.setdefault(p.cols, set()).update(p.rows)
-    classes = sorted(moving_rows, key=lambda c: (-len(c), c))
-    widest = sorted(range(len(plans)), key=lambda i: -len(plans[i]))
-    for a, b in itertools.combinations(classes, 2):
-      if len(a) != len(b) or not rows_at[a].isdisjoint(moving_rows[b]):
-        continue
-      shared = _share(layout, a, b)
-      if shared is None:
-        continue
-      new_steps = _steps(steps, shared.start, shared.home)
-      new_plans = _plan(prog, shared, new_steps, zeros, width=_cost(plans),
-                        order=widest)
-      if new_plans is not None:
-        layout, steps, plans = shared, new_steps, new_plans
+    current = (layout, steps, plans)
+    candidates = []
+    for found in _shares(prog, current, zeros):
+      if _total(found[2]) < _total(plans):
+        candidates = [found]
         break
-    else:
+      candidates.append(found)
+    if not candidates:
       return layout, steps, plans
+    layout, steps, plans = next(
+        (c for c in candidates if len(candidates) > 1 and any(
+            _total(after[2]) < _total(plans) for after in _shares(
+                prog, c, zeros))), candidates[0])
+
+
+def _shares(prog, current, zeros):
+  """The layouts one share away from ``current = (layout, steps, plans)``
+  that stay exact without more components: ``(layout, steps, plans)``."""
+  layout, steps, plans = current
+  # Rows per column class at home: of every block (rows_at) and of the
+  # blocks a share moves (moving_rows). A share that moves a block onto
+  # rows a block in the new columns holds puts both on one cell, which
+  # _share refuses: refused here before the layout is built (most pairs,
+  # e.g. states on the same tokens).
+  rows_at, moving_rows = {}, {}
+  for k, p in layout.home.items():
+    rows_at.setdefault(p.cols, set()).update(p.rows)
+    if k in layout.moved or not _pinned(layout, k):
+      moving_rows.setdefault(p.cols, set()).update(p.rows)
+  classes = sorted(moving_rows, key=lambda c: (-len(c), c))
+  widest = sorted(range(len(plans)), key=lambda i: -len(plans[i]))
+  for a, b in itertools.combinations(classes, 2):
+    if len(a) != len(b) or not rows_at[a].isdisjoint(moving_rows[b]):
+      continue
+    shared = _share(layout, a, b)
+    if shared is None:
+      continue
+    new_steps = _steps(steps, shared.start, shared.home)
+    new_plans = _plan(prog, shared, new_steps, zeros, width=_cost(plans),
+                      order=widest)
+    if new_plans is not None:
+      yield shared, new_steps, new_plans
 
 
 def _peel(prog, layout, steps, stages, plans):
