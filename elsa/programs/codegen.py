@@ -367,11 +367,14 @@ def components(step: Step, layout: Layout, zero=frozenset()) -> list[Component]:
     out.append(part)
   rest = _merged(out + mix[1:])
   if constant.parts:
-    folded = _with_constant(mix[0], constant, m, n)
-    if folded:
-      mix[0], constant.parts = folded, []
-    elif _host_constant(rest, constant, seen, m, n):
+    # A product hosts the constant in r inner columns of its own; the mix
+    # would widen to n + r, and with it every component of the stack.
+    if _host_constant(rest, constant, seen, m, n):
       constant.parts = []
+    else:
+      folded = _with_constant(mix[0], constant, m, n)
+      if folded:
+        mix[0], constant.parts = folded, []
   return mix[:1] + ([constant] if constant.parts else []) + rest
 
 
