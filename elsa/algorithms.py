@@ -238,39 +238,18 @@ def newton_schulz_natural(*, n_train: int, d: int, n_query: int = 1,
     M' = 2M - M A M, \quad w' = w + M (b - A w), \quad
     U' = 2U - U A M, \quad p' = p + U (b - A w),
 
-  with ``U = X_q M`` (from ``U_0 = alpha X_q``, which also takes the queries
-  out of ``X``'s columns: ``Xq`` is not read again) and ``p = X_q w`` on the
-  query rows, ``M_0 = alpha I``, ``w_0 = M_0 b``: the same iterates as
-  :func:`newton_schulz`, with the predictions updated alongside ``w``
-  instead of read out. ``U`` shares ``M``'s columns and ``p`` shares
-  ``w``'s, so the compiled stack is the hand form's (BUILD_NOTES.md,
-  "Matrix programs"): two set-up layers, then one layer per step. Scalars:
-  ``lam``, ``alpha``.
+  with ``U = X_q M`` (from ``U_0 = alpha X_q``, set by the first layer,
+  which also takes the queries out of ``X``'s columns: ``Xq`` is not read
+  again) and ``p = X_q w`` on the query rows; the second layer sets ``A``,
+  ``M_0 = alpha I``, ``w_0 = alpha b`` and ``p_0 = U_0 b``: the same
+  iterates as :func:`newton_schulz`, with the predictions updated alongside
+  ``w`` instead of read out. ``U`` shares ``M``'s columns and ``p`` shares
+  ``w``'s. It is the program :class:`elsa.forms.Newton` is built on
+  (``Newton(...).program``): two set-up layers, then one layer per step.
+  Scalars: ``lam``, ``alpha``.
   """
-  prog = programs.Program()
-  X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
-                             n_out=n_out)
-  N = n_train
-  lam, alpha = prog.scalar("lam"), prog.scalar("alpha")
-  A = prog.state("A", (d, d), symmetric=True)
-  M = prog.state("M", (d, d), symmetric=True)
-  w = prog.state("w", (d, n_out))
-  first = {M: alpha * programs.eye(d)}
-  # w_0 = M_0 b and p_0 = U_0 b: one product on the M and the query rows.
-  second = {A: X.T @ X / N + lam * programs.eye(d),
-            w: (1 / N) * (M @ X.T @ y)}
-  body = {M: 2 * M - M @ A @ M, w: w + (1 / N) * (M @ X.T @ y) - M @ A @ w}
-  if Xq is not None:
-    U = prog.state("U", (n_query, d))
-    p = prog.state("p", (n_query, n_out))
-    first[U] = alpha * Xq
-    second[p] = (1 / N) * (U @ X.T @ y)
-    body.update({U: 2 * U - U @ A @ M,
-                 p: p + (1 / N) * (U @ X.T @ y) - U @ A @ w})
-  prog.layer(first)
-  prog.layer(second)
-  prog.loop(body)
-  return prog
+  return forms.Newton(n_train=n_train, d=d, n_query=n_query,
+                      n_out=n_out).program
 
 
 def third_order(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1,

@@ -32,21 +32,12 @@ derives the components the compiler emits.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from elsa import programs
 from elsa.attention import Array, ElsaParams
-from elsa.forms._token_form import TokenForm
-
-
-@functools.lru_cache(maxsize=None)
-def _compile(form: "GDForm") -> programs.Compiled:
-  """The form's program compiled once per form (forms hash by value)."""
-  return programs.compile(form.program)
+from elsa.forms._token_form import TokenForm, _component
 
 
 class GDForm(TokenForm):
@@ -133,58 +124,6 @@ class GDForm(TokenForm):
     return dict(X=cols(self.x_cols), y=cols(self.y_cols),
                 Xq=cols(self.z_cols), w=cols(self.p_cols),
                 Xw=cols(self.p_cols), p=cols(self.p_cols))
-
-  @property
-  def compiled(self) -> programs.Compiled:
-    """``programs.compile(self.program)``, compiled once per form: the stack
-    every parameter method of the form reads, in the compiler's column order
-    (``print(form.compiled)`` shows it)."""
-    return _compile(self)
-
-  def _columns(self) -> np.ndarray:
-    """``[compiled.n]``: the form column of each column of the compiled stack.
-
-    The compiler orders columns its own way; the form keeps the order its
-    attributes name. Columns the compiler left out (the query columns with
-    ``n_query == 0``) stay zero in every state and parameter.
-    """
-    cols = np.full(self.compiled.n, -1)
-    for name, (_, compiled_cols) in self.compiled.layout.items():
-      cols[compiled_cols] = list(self._block_columns()[name])
-    assert np.all(cols >= 0) and len(set(cols)) == len(cols), cols
-    return cols
-
-  def _in_form_columns(self, a: Array, axis: int) -> Array:
-    """``a`` with its ``axis`` of compiled columns laid out as the form's ``n``
-    columns, zero where the compiler has none (a gather: numpy for concrete
-    ``a``, jax.numpy for traced)."""
-    xp = jnp if isinstance(a, jax.core.Tracer) else np
-    index = np.full(self.n, self.compiled.n)
-    index[self._columns()] = np.arange(self.compiled.n)
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (0, 1)
-    return xp.take(xp.pad(a, pad), index, axis=axis)
-
-  def _from_compiled_state(self, h: Array) -> Array:
-    """``[..., m, compiled.n] -> [..., m, n]``: the state in the form's columns."""
-    return self._in_form_columns(h, -1)
-
-  def _from_compiled_params(self, p: ElsaParams) -> ElsaParams:
-    """The compiled stack's parameters acting on the form's columns.
-
-    With ``S`` the ``[compiled.n, n]`` placement of the compiled columns,
-    ``h_form = h S`` and ``h = h_form S^T``: the weights read ``S^T W``, the
-    outputs ``W2 S`` and ``B2 S``, and every component's value is placed by
-    ``S``.
-    """
-    rows = lambda a: self._in_form_columns(a, -2)
-    cols = lambda a: self._in_form_columns(a, -1)
-    traced = any(isinstance(a, jax.core.Tracer) for a in p)
-    p = p if traced else ElsaParams(*(np.asarray(a) for a in p))
-    dtype = p.w1.dtype
-    out = p._replace(w1=rows(p.w1), w3=rows(p.w3), w2=cols(rows(p.w2)),
-                     b2=cols(p.b2))
-    return ElsaParams(*(jnp.asarray(a, dtype) for a in out))
 
   def _encode_blocks(self, **blocks) -> Array:
     """``compiled.encode(**blocks)`` in the form's columns; no query blocks
@@ -361,7 +300,3 @@ class GDForm(TokenForm):
     stack = self._gd_stack(lam, jnp.concatenate([etas[:1], etas]))
     return jax.tree.map(lambda a: a[1:, :2], stack)
 
-
-def _component(p: ElsaParams, index: int) -> ElsaParams:
-  """Entry ``index`` of the leading axis of every leaf."""
-  return jax.tree.map(lambda a: a[index], p)

@@ -1,9 +1,11 @@
-"""What every input form shares: sizes, equality, task and state checks.
+"""What every input form shares: sizes, equality, checks, the compiled program.
 
 A form lays a ridge task (``x: [N, d]``, ``y: [N, n_out]``, queries ``x_q:
-[Q, d]``) out as ``m = N + Q + d`` tokens; the feature count ``n`` and the
-column blocks are the subclass's (:class:`~elsa.forms.GDForm`,
-:class:`~elsa.forms.Newton`).
+[Q, d]``) out as ``m = N + Q + d`` tokens; the feature count ``n``, the
+column blocks and the algorithm, a matrix program the compiler
+(:mod:`elsa.programs`) turns into the stack, are the subclass's
+(:class:`~elsa.forms.GDForm`, :class:`~elsa.forms.Newton`). The form reads
+the compiled stack in its own column order.
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elsa import constructions
 from elsa import _validate
+from elsa import programs
 from elsa.attention import Array, ElsaParams
 from elsa._validate import float_dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(form: "TokenForm") -> programs.Compiled:
+  """The form's program compiled once per form (forms hash by value)."""
+  return programs.compile(form.program)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -35,18 +43,18 @@ class TokenForm:
   """Base of the input forms: the sizes and what does not depend on the columns.
 
   Subclasses name the token blocks (:meth:`_row_blocks`), set their column
-  blocks (:meth:`_consecutive`) and the feature count ``n``, and set
-
-  * ``query_rows`` and ``x_cols``, the query tokens and the columns where
-    they arrive (:meth:`_move_query_x` moves them out);
-  * ``_w_block`` and ``_pred_block``, ``(rows, cols)`` of the weights ``w``
-    and of the query predictions (read by :meth:`decode_w`,
-    :meth:`decode_pred`).
+  blocks (:meth:`_consecutive`), the feature count ``n``, the
+  :attr:`program` and where its blocks sit (:meth:`_block_columns`), and
+  ``_w_block`` and ``_pred_block``, ``(rows, cols)`` of the weights ``w``
+  and of the query predictions (read by :meth:`decode_w`,
+  :meth:`decode_pred`).
 
   Attributes:
     n_train, d, n_query, n_out: examples ``N``, input dimension ``d``,
       queries ``Q`` and target columns ``n_out``.
     m: token count ``N + Q + d``.
+    program, compiled: the algorithm as a matrix program, and its compiled
+      stack.
 
   A frozen dataclass: forms compare and hash by type and sizes, so they can
   be static arguments of :func:`jax.jit`.
@@ -117,6 +125,71 @@ class TokenForm:
                           {**static, "argument shapes": shapes})
     return call(*args)
 
+  # --- the compiled program ----------------------------------------------------
+
+  @property
+  def program(self) -> programs.Program:
+    """The form's algorithm as a matrix program (:mod:`elsa.programs`), its
+    inputs pinned to the tokens ``encode`` lays out (set by the subclass)."""
+    raise NotImplementedError
+
+  def _block_columns(self) -> dict:
+    """``{block name: form columns}`` of every block of :attr:`program` at
+    its home (set by the subclass)."""
+    raise NotImplementedError
+
+  @property
+  def compiled(self) -> programs.Compiled:
+    """``programs.compile(self.program)``, compiled once per form: the stack
+    every parameter method of the form reads, in the compiler's column order
+    (``print(form.compiled)`` shows it)."""
+    return _compile(self)
+
+  def _columns(self) -> np.ndarray:
+    """``[compiled.n]``: the form column of each column of the compiled stack.
+
+    The compiler orders columns its own way; the form keeps the order its
+    attributes name. Columns the compiler left out (the query columns with
+    ``n_query == 0``) stay zero in every state and parameter.
+    """
+    cols = np.full(self.compiled.n, -1)
+    for name, (_, compiled_cols) in self.compiled.layout.items():
+      cols[compiled_cols] = list(self._block_columns()[name])
+    assert np.all(cols >= 0) and len(set(cols)) == len(cols), cols
+    return cols
+
+  def _in_form_columns(self, a: Array, axis: int) -> Array:
+    """``a`` with its ``axis`` of compiled columns laid out as the form's ``n``
+    columns, zero where the compiler has none (a gather: numpy for concrete
+    ``a``, jax.numpy for traced)."""
+    xp = jnp if isinstance(a, jax.core.Tracer) else np
+    index = np.full(self.n, self.compiled.n)
+    index[self._columns()] = np.arange(self.compiled.n)
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, 1)
+    return xp.take(xp.pad(a, pad), index, axis=axis)
+
+  def _from_compiled_state(self, h: Array) -> Array:
+    """``[..., m, compiled.n] -> [..., m, n]``: the state in the form's columns."""
+    return self._in_form_columns(h, -1)
+
+  def _from_compiled_params(self, p: ElsaParams) -> ElsaParams:
+    """The compiled stack's parameters acting on the form's columns.
+
+    With ``S`` the ``[compiled.n, n]`` placement of the compiled columns,
+    ``h_form = h S`` and ``h = h_form S^T``: the weights read ``S^T W``, the
+    outputs ``W2 S`` and ``B2 S``, and every component's value is placed by
+    ``S``.
+    """
+    rows = lambda a: self._in_form_columns(a, -2)
+    cols = lambda a: self._in_form_columns(a, -1)
+    traced = any(isinstance(a, jax.core.Tracer) for a in p)
+    p = p if traced else ElsaParams(*(np.asarray(a) for a in p))
+    dtype = p.w1.dtype
+    out = p._replace(w1=rows(p.w1), w3=rows(p.w3), w2=cols(rows(p.w2)),
+                     b2=cols(p.b2))
+    return ElsaParams(*(jnp.asarray(a, dtype) for a in out))
+
   # --- decoding ---------------------------------------------------------------
 
   def decode_w(self, h) -> Array:
@@ -130,25 +203,6 @@ class TokenForm:
   def decode_pred(self, h) -> Array:
     """Query predictions ``x_q^T w``: ``[..., m, n] -> [..., Q(, n_out)]``."""
     return self._out(self._read("decode_pred", h, *self._pred_block))
-
-  # --- shared components --------------------------------------------------------
-
-  def _move_query_x(self, dst_cols, *, scale, dtype) -> ElsaParams:
-    """On the query rows, ``x -> 0`` and ``scale x -> dst_cols``. One component.
-
-    :func:`elsa.constructions.rows_linear` over the query rows with ``Q =
-    scale E(x -> dst) - E(x -> x)`` (``E(a -> b)`` the placement moving
-    columns ``a`` to ``b``): the term ``B3 B1^T (h W2)`` with ``B3 = B1`` the
-    query-row selector. Needs ``n_query >= 1``.
-    """
-    as_range = lambda block, size: (block if isinstance(block, range)
-                                    else range(size)[block])
-    x_cols = as_range(self.x_cols, self.n)
-    place = functools.partial(constructions.placement, x_cols,
-                              shape=(self.n, self.n), dtype=dtype)
-    q = scale * place(as_range(dst_cols, self.n)) - place(x_cols)
-    return constructions.rows_linear(as_range(self.query_rows, self.m), q,
-                                     m=self.m)
 
   # --- validation -------------------------------------------------------------
 
@@ -277,3 +331,8 @@ class TokenForm:
       w0 = broadcast("w0", w0, (d, n_out), f"[..., d={d}]" if n_out == 1
                      else f"[..., d={d}, n_out={n_out}]", given)
     return x, y, x_query, w0
+
+
+def _component(p: ElsaParams, index) -> ElsaParams:
+  """Entry ``index`` (an int or a tuple) of the leading axes of every leaf."""
+  return jax.tree.map(lambda a: a[index], p)

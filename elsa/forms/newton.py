@@ -32,9 +32,10 @@ M-row j    (d)     0            0         0 -> A_j  0 -> (M_t)_j      0 -> (w_t)
 =================  ===========  ========  ========  ================  ==============
 
 The encoded tokens are the natural ones: ``(x_i, y_i)`` and ``(x_q, 0)`` in
-the same columns, in arrival order, everything else zero. The two set-up
-layers and the Newton layer are derived term by term in BUILD_NOTES.md
-("Newton–Schulz from natural tokens") and in the builders below.
+the same columns, in arrival order, everything else zero. The form is the
+compiled :attr:`Newton.program`; its two set-up layers and the Newton layer
+are derived term by term in BUILD_NOTES.md ("Newton–Schulz from natural
+tokens") and in the building blocks below.
 
 Reference: Hagiwara, "An extension of linear self-attention for in-context
 learning", arXiv:2503.23814 (2025).
@@ -42,16 +43,14 @@ learning", arXiv:2503.23814 (2025).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elsa import constructions
+from elsa import programs
 from elsa.attention import Array, ElsaParams
 from elsa.ridge import safe_alpha  # 1/||A||_F; Newton.safe_alpha
-from elsa.forms._token_form import TokenForm
+from elsa.forms._token_form import TokenForm, _component
 
 
 class Newton(TokenForm):
@@ -123,13 +122,53 @@ class Newton(TokenForm):
     return self._jit("encode", "_initial_state", x, y, x_query)
 
   def _initial_state(self, x, y, x_query) -> Array:
-    zeros = lambda rows, cols: jnp.zeros((*x.shape[:-2], rows, cols), x.dtype)
-    tokens = jnp.concatenate(
-        [jnp.concatenate([x, y], axis=-1),
-         jnp.concatenate([x_query, zeros(self.n_query, self.n_out)], axis=-1),
-         zeros(self.d, self.d + self.n_out)], axis=-2)
-    return jnp.concatenate([tokens, zeros(self.m, self.n - self.d - self.n_out)],
-                           axis=-1)
+    blocks = dict(X=x, y=y, Xq=x_query) if self.n_query else dict(X=x, y=y)
+    return self._from_compiled_state(self.compiled.encode(**blocks))
+
+  # --- the program ------------------------------------------------------------
+
+  @property
+  def program(self) -> programs.Program:
+    r"""Newton–Schulz with the query predictions carried along:
+
+    .. math::
+      U_0 = \alpha X_q;\quad A = X^\top X / N + \lambda I,\ M_0 = \alpha I,
+      \ w_0 = \tfrac{\alpha}{N} X^\top y,\ p_0 = \tfrac{1}{N} U_0 X^\top y;
+      \quad M' = 2M - MAM,\ w' = w + \tfrac{1}{N} M X^\top y - M A w,
+      \ U' = 2U - UAM,\ p' = p + \tfrac{1}{N} U X^\top y - U A w,
+
+    two set-up layers then one loop: ``U = X_q M`` and ``p = X_q w`` on the
+    query rows. Inputs ``X``, ``y``, ``Xq`` pinned to the natural tokens
+    (``Xq`` is cleared once ``U_0`` holds it), scalars ``lam`` and ``alpha``.
+    """
+    N, d, Q, k = self.n_train, self.d, self.n_query, self.n_out
+    prog = programs.Program()
+    X = prog.input("X", (N, d), at=(range(N), self.x_cols))
+    y = prog.input("y", (N, k), at=(range(N), self.y_cols))
+    lam, alpha = prog.scalar("lam"), prog.scalar("alpha")
+    A = prog.state("A", (d, d), symmetric=True)
+    M = prog.state("M", (d, d), symmetric=True)
+    w = prog.state("w", (d, k))
+    moves = {}
+    setup = {A: X.T @ X / N + lam * programs.eye(d),
+             M: alpha * programs.eye(d), w: (alpha / N) * (X.T @ y)}
+    step = {M: 2 * M - M @ A @ M, w: w + (1 / N) * (M @ X.T @ y) - M @ A @ w}
+    if Q:
+      Xq = prog.input("Xq", (Q, d), at=(self.query_rows, self.x_cols))
+      U, p = prog.state("U", (Q, d)), prog.state("p", (Q, k))
+      moves[U] = alpha * Xq
+      setup[p] = (1 / N) * (U @ X.T @ y)
+      step.update({U: 2 * U - U @ A @ M,
+                   p: p + (1 / N) * (U @ X.T @ y) - U @ A @ w})
+    prog.layer(moves)
+    prog.layer(setup)
+    prog.loop(step)
+    return prog
+
+  def _block_columns(self) -> dict:
+    return dict(X=self.x_cols, y=self.y_cols, Xq=self.x_cols, A=self.a_cols,
+                M=self.mcol_cols, U=self.mcol_cols, w=self.w_cols,
+                p=self.w_cols)
 
   # decode_w (``w_t = M_t b`` from the M rows) and decode_pred (``x_q^T
   # w_t``) are TokenForm's, on _w_block and _pred_block.
@@ -142,119 +181,76 @@ class Newton(TokenForm):
     """``A = X^T X / N + lam I`` as the set-up built it: ``[..., d, d]``."""
     return self._read("decode_gram", h, self.m_rows, self.a_cols)
 
-  # --- parameters -----------------------------------------------------------
+  # --- parameters: the compiled layers and their components ----------------------
+
+  def _layers(self, lam: Array, alpha: Array, depth: int) -> ElsaParams:
+    """``compiled.params`` in the form's columns: ``[2 + depth, 3, ...]``."""
+    return self._from_compiled_params(self.compiled.params(
+        lam=lam, alpha=alpha, loops=depth, dtype=lam.dtype))
 
   def move_queries(self, *, alpha, dtype=None) -> ElsaParams:
-    """Set-up layer 1, with the skip: on query rows, ``x -> 0`` and ``alpha x -> mcol``.
+    """Set-up layer 1, beside the skip: on query rows, ``x -> 0`` and ``alpha x -> mcol``.
 
-    :func:`elsa.constructions.rows_linear` over the query rows with
-    ``Q = alpha E(x -> mcol) - E(x -> x)`` (the term ``B3 B1^T (h W2)``,
-    ``B3 = B1`` the query-row selector; ``TokenForm._move_query_x``). The
-    query rows then hold ``u_q = x_q^T M_0 = alpha x_q^T``, and their x
-    columns are empty so the Gram sum of layer 2 runs over the examples only.
-    Needs ``n_query >= 1``.
+    The correction of the layer's column mix on the query rows (the mix
+    carries ``x`` on every row; ``U_0 = alpha X_q`` replaces the queries):
+    :func:`elsa.constructions.rows_linear` over the query rows with ``Q =
+    alpha E(x -> mcol) - E(x -> x)``, the term ``B3 B1^T (h W2)`` with ``B3
+    = B1`` the query-row selector. The query rows then hold ``u_q = x_q^T
+    M_0 = alpha x_q^T``, and their x columns are empty so the Gram sum of
+    layer 2 runs over the examples only. Needs ``n_query >= 1``.
 
     ``alpha`` (and ``lam`` of the other set-up blocks): scalars, Python
     numbers or arrays (may be traced); ``dtype`` as in :meth:`newton_params`.
     """
     alpha, = self._scalars("move_queries", dtype, alpha=alpha)
-    return self._move_query_x(self.mcol_cols, scale=alpha, dtype=alpha.dtype)
+    if not self.n_query:
+      raise ValueError("Newton.move_queries: there are no queries to move "
+                       "(n_query=0).")
+    return _component(self._layers(jnp.ones_like(alpha), alpha, 0), (0, 1))
 
   def gram_head(self, *, lam, alpha, dtype=None) -> ElsaParams:
     """Set-up layer 2: M rows get ``[A | alpha I]`` in columns ``[a | mcol]``. One component.
 
     ``Q = B3`` (``e_j`` on M row ``j``), ``K = h W1 + B1`` (x columns, plus
-    ``e_j`` on M row ``j``), ``V = h W2 + B2`` (``x / N`` into a, plus
-    ``[lam e_j | alpha e_j]`` in ``[a | mcol]`` on M row ``j``), so
+    the constant's inner columns on rows where ``h`` is zero in the x
+    columns), ``V = h W2 + B2`` (``x / N`` into a, plus ``[lam e_j | alpha
+    e_j]`` in ``[a | mcol]`` on those rows), so
 
-    ``K^T V = X^T X / N + B1^T B2 + W1^T h^T B2 + B1^T h W2 = [A | alpha I]``:
+    ``K^T V = [X^T X / N | 0] + [lam I | alpha I] = [A | alpha I]``:
 
-    the two cross terms vanish because ``B1, B2`` live on the M rows, where
-    ``h`` is still zero, and after layer 1 the queries hold nothing in x.
+    the compiler's Gram component hosting the layer's constant
+    (:mod:`elsa.programs.codegen`); the cross terms vanish because ``B1,
+    B2`` live on rows where ``h W1`` and ``h W2`` are zero, and after layer
+    1 the queries hold nothing in x.
     """
     lam, alpha = self._scalars("gram_head", dtype, lam=lam, alpha=alpha)
-    d, m, n = self.d, self.m, self.n
-    place = functools.partial(constructions.placement, dtype=lam.dtype)
-    inner = range(d)
-    on_m_rows = place(self.m_rows, inner, shape=(m, d))
-    b2 = (lam * place(self.m_rows, self.a_cols, shape=(m, n))
-          + alpha * place(self.m_rows, self.mcol_cols, shape=(m, n)))
-    p = ElsaParams.zeros(m=m, n=n, k=d, dtype=lam.dtype)
-    return p._replace(
-        w1=place(self.x_cols, inner, shape=(n, d)),
-        b1=on_m_rows, b3=on_m_rows, b2=b2,
-        w2=place(self.x_cols, self.a_cols, shape=(n, n)) / self.n_train)
+    return _component(self._layers(lam, alpha, 0), (1, 1))
 
   def alpha_b_head(self, *, alpha, dtype=None) -> ElsaParams:
-    """Set-up layer 2: ``w_0 = alpha b`` on M rows, ``p_q = alpha x_q^T b`` on queries. One component.
+    """Set-up layer 2: ``w_0 = alpha b`` on M rows, ``p_0 = x_q^T M_0 b`` on queries. One component.
 
-    ``Q = h W3 + B3`` (mcol columns, which hold ``alpha x_q`` on query rows
-    and zero elsewhere, plus ``alpha e_j`` on M row ``j``), ``K = h W1`` (x
-    columns: only the examples), ``V = h W2`` (``y / N`` into w), so
-    ``K^T V = X^T y / N = b``; example rows have ``Q = 0``.
+    ``Q = h W3 + B3`` (``W3 = S_mcol / N``: ``U_0 / N = alpha x_q / N`` on the
+    query rows, zero elsewhere; ``B3 = (alpha / N) e_j`` on M row ``j``),
+    ``K = h W1`` (x columns: only the examples), ``V = h W2`` (``y`` into w),
+    so ``K^T V = X^T y = N b``; the compiler's merge of ``w_0`` and ``p_0``,
+    equal in keys and values but for the coefficient, which moves to ``Q``.
     """
     alpha, = self._scalars("alpha_b_head", dtype, alpha=alpha)
-    d, m, n = self.d, self.m, self.n
-    place = functools.partial(constructions.placement, dtype=alpha.dtype)
-    inner = range(d)
-    p = ElsaParams.zeros(m=m, n=n, k=d, dtype=alpha.dtype)
-    return p._replace(
-        w3=place(self.mcol_cols, inner, shape=(n, d)),
-        b3=alpha * place(self.m_rows, inner, shape=(m, d)),
-        w1=place(self.x_cols, inner, shape=(n, d)),
-        w2=place(self.y_cols, self.w_cols, shape=(n, n)) / self.n_train)
-
-  def newton_skip(self, *, dtype) -> ElsaParams:
-    """``h -> h diag(s)``: ``s = 2`` on mcol, 1 elsewhere. One component."""
-    scale = jnp.ones((self.n,), dtype)
-    scale = scale.at[self.mcol_cols.start:self.mcol_cols.stop].set(2)
-    return constructions.linear(None, jnp.diag(scale), m=self.m)
-
-  def newton_correction(self, *, dtype) -> ElsaParams:
-    """``-q A [M_t | w_t]`` into ``[mcol | w]`` of every row ``q`` of the mcol block. One component.
-
-    :func:`elsa.constructions.product3` with ``A_ = h[:, mcol]`` (``M_t`` on M
-    rows, ``u_q = x_q^T M_t`` on queries, zero on examples), ``B = h[:, a]``
-    and ``C = h[:, mcol | w]``, scale -1. ``B`` is nonzero on the M rows only,
-    so the key sum ``B^T C = A^T [M_t | w_t] = A [M_t | w_t]`` (``A``
-    symmetric) sees neither queries nor examples.
-    """
-    cols = [*self.mcol_cols, *self.w_cols]
-    return constructions.product3(m=self.m, n=self.n, a_cols=self.mcol_cols,
-                                  b_cols=self.a_cols, c_cols=cols,
-                                  out_cols=cols, scale=-1.0, dtype=dtype)
-
-  def fresh_mb(self, *, dtype) -> ElsaParams:
-    """``q b`` into the w columns, ``b`` re-read from the examples. One component.
-
-    :func:`elsa.constructions.product3` with ``A_ = h[:, mcol]``,
-    ``B = h[:, x]`` (only the examples: the queries left x in layer 1),
-    ``C = h[:, y]`` into w, scale ``1/N``: ``B^T C = X^T y / N = b``.
-    """
-    return constructions.product3(m=self.m, n=self.n, a_cols=self.mcol_cols,
-                                  b_cols=self.x_cols, c_cols=self.y_cols,
-                                  out_cols=self.w_cols,
-                                  scale=1.0 / self.n_train, dtype=dtype)
+    return _component(self._layers(jnp.ones_like(alpha), alpha, 0), (1, 2))
 
   def setup_params(self, *, lam, alpha, dtype=None) -> ElsaParams:
     """The two set-up layers, leaves ``[2, C, ...]`` (arguments as :meth:`newton_params`)."""
     lam, alpha = self._lam_alpha("setup_params", lam=lam, alpha=alpha,
                                  dtype=dtype)
-    return self._jit("setup_params", "_setup_stack", lam, alpha)
-
-  def _setup_stack(self, lam: Array, alpha: Array) -> ElsaParams:
-    """The layers of :meth:`setup_params` from checked scalars of one dtype."""
-    skip = constructions.identity(self.m, self.n, dtype=lam.dtype)
-    first = [skip] + ([self.move_queries(alpha=alpha)] if self.n_query else [])
-    return constructions.stack(
-        constructions.layer(*first),
-        constructions.layer(skip, self.gram_head(lam=lam, alpha=alpha),
-                            self.alpha_b_head(alpha=alpha)))
+    return self._jit("setup_params", "_newton_stack", lam, alpha, depth=0)
 
   def newton_layer(self, *, dtype=None) -> ElsaParams:
     r"""One Newton–Schulz step, leaves ``[3, ...]``; it does not depend on lam or alpha.
 
-    Skip + correction + fresh ``M b`` give, on M rows and on query rows,
+    The column mix (``2`` on mcol: the skip), the correction
+    ``-[M_t; u] A [M_t | w_t]`` (one product of three blocks for ``M``,
+    ``w`` and, sharing their columns, ``u``, ``p``) and the fresh ``[M_t; u]
+    X^T y / N``. On M rows and on query rows:
 
     .. math::
       M_{t+1} = 2M_t - M_t A M_t, \quad w_{t+1} = w_t + M_t (b - A w_t),
@@ -271,9 +267,8 @@ class Newton(TokenForm):
     float64 under ``jax_enable_x64``).
     """
     dtype = self._float_dtype("newton_layer", dtype)
-    return constructions.layer(self.newton_skip(dtype=dtype),
-                               self.newton_correction(dtype=dtype),
-                               self.fresh_mb(dtype=dtype))
+    one = jnp.ones((), dtype)
+    return _component(self._layers(one, one, 1), 2)
 
   def newton_params(self, *, lam, alpha, depth: int, dtype=None
                     ) -> ElsaParams:
@@ -307,12 +302,7 @@ class Newton(TokenForm):
   def _newton_stack(self, lam: Array, alpha: Array, *, depth: int
                     ) -> ElsaParams:
     """The layers of :meth:`newton_params` from checked scalars of one dtype."""
-    setup = self._setup_stack(lam, alpha)
-    if depth == 0:
-      return setup
-    step = self.newton_layer(dtype=lam.dtype)
-    steps = ElsaParams(*(jnp.broadcast_to(a, (depth, *a.shape)) for a in step))
-    return constructions.stack(setup, steps)
+    return self._layers(lam, alpha, depth)
 
   def _lam_alpha(self, method: str, *, lam, alpha, dtype):
     """``lam, alpha`` as scalar arrays of one floating dtype, validated: a
