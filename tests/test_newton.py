@@ -266,6 +266,35 @@ def test_concrete_nonpositive_alpha_raises_for_arrays_too():
   assert params.w1.shape[:2] == (3, 3)
 
 
+@pytest.mark.parametrize("n_train,d,n_query,n_out", [
+    (9, 3, 2, 1), (4, 2, 2, 1), (2, 4, 2, 3), (7, 4, 0, 1), (3, 1, 1, 1),
+    (20, 5, 3, 1)])
+def test_newton_is_its_compiled_program(n_train, d, n_query, n_out):
+  # The compiled program has the hand layout's tokens, features, three
+  # components per layer and two set-up layers, also where the constants
+  # cannot ride in the column mix (m < n + d), Q = d, N = Q, Q = 0 and d = 1;
+  # its stack on its own columns gives the form's states in the form's
+  # columns at every layer.
+  form = Newton(n_train=n_train, d=d, n_query=n_query, n_out=n_out)
+  compiled = form.compiled
+  assert (compiled.m, compiled.n, compiled.width, compiled.setup_layers) == (
+      form.m, form.n, 3, 2)
+  x, y, xq = random_task(np.random.default_rng(4), batch=(2,), n_train=n_train,
+                         d=d, n_query=n_query, n_out=n_out, dtype=jnp.float64)
+  lam, T = 0.1, 4
+  alpha = float(np.min(safe_alpha(x, lam=lam)))
+  hs = run(form, x, y, xq, lam=lam, alpha=alpha, depth=T)
+  blocks = dict(X=x, y=y.reshape(2, n_train, n_out))
+  if n_query:
+    blocks["Xq"] = xq
+  own = elsa.elsa_stack(compiled.params(lam=lam, alpha=alpha, loops=T),
+                        compiled.encode(**blocks), return_all=True)
+  np.testing.assert_allclose(hs[..., form._columns()], own, rtol=0,
+                             atol=1e-13)
+  gd = ridge.gd(x, y, lam=lam, eta=alpha, steps=2 ** T)
+  assert rel(form.decode_w(hs[-1]), gd[-1]) < F64_RTOL
+
+
 def test_building_blocks_take_python_numbers():
   form = Newton(n_train=4, d=2, n_query=2)
   f64 = lambda v: jnp.asarray(v, jnp.float64)

@@ -283,10 +283,14 @@ def _column_mix(step: Step, m: int, n: int, zero) -> list[Component]:
     if len(other[1]) < len(corrections):
       mix, corrections = other
   out = []
-  for rows, present, want in corrections:
+  for rows, _, want in corrections:
+    # Only the columns that may be nonzero: a block known to be zero on
+    # these rows needs no cancelling (Newton's U, assigned where the
+    # queries leave).
+    live = wanted_zero[rows]
     parts = []
     for text in sorted(set(want.bases) | set(mix.bases)):
-      diff = (want.bases.get(text, 0) - mix.bases.get(text, 0)) * present[:, None]
+      diff = (want.bases.get(text, 0) - mix.bases.get(text, 0)) * live[:, None]
       if np.any(diff):
         parts.append((diff, want.coefs.get(text) or mix.coefs[text]))
     if parts:
