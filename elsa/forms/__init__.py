@@ -11,13 +11,13 @@
 Every form lays out ``m = N + Q + d`` tokens by ``n`` features and has
 ``encode``; from the base ``TokenForm`` (``elsa.forms._token_form``) all share
 ``m``, ``n``, ``decode_w``, ``decode_pred``, the input checks, value equality
-and hashing (forms are static arguments of :func:`jax.jit`). :class:`GDForm`
-is the base of the two GD forms (``Designed``, ``Natural``), which share one
-layout and add ``decode_train_pred`` and ``gd_params``; both are a matrix
-program (``form.program``) compiled by :mod:`elsa.programs` (``form.compiled``)
-and read in the form's columns. ``Newton`` has its own layout, hand-laid
-(BUILD_NOTES.md, "Matrix programs", says why), and ``newton_params``,
-``decode_inverse``, ``decode_gram``.
+and hashing (forms are static arguments of :func:`jax.jit`), and the
+compiler: each form is a matrix program (``form.program``) compiled by
+:mod:`elsa.programs` (``form.compiled``) and read in the form's column order.
+:class:`GDForm` is the base of the two GD forms (``Designed``, ``Natural``),
+which share one layout and add ``decode_train_pred`` and ``gd_params``;
+``Newton`` has its own layout and ``newton_params``, ``decode_inverse``,
+``decode_gram``.
 """
 
 from elsa.forms._gd_form import GDForm

@@ -392,7 +392,7 @@ def _host_constant(parts: list[Component], constant: Component,
   and ``B1`` is zero), ``r`` new inner columns get ``B3 = S_R``, ``B1 =
   S_Z`` and ``W3 = W1 = 0``, and ``B2 = S_Z c_R``. They add ``S_R (h W2 +
   B2)[Z] = S_R c_R = c``; the old ones add ``(h W3 + B3)(h W1 + B1)[Z]^T
-  c_R = 0``. The hand-laid Newton form hides ``[lam I | alpha I]`` in its
+  c_R = 0``. ``forms.Newton`` gets ``[lam I | alpha I]`` into its
   Gram component this way.
   """
   rows = np.flatnonzero(np.any([np.any(b != 0, axis=1)
@@ -529,7 +529,7 @@ def _rescaled(parts: list[Component]) -> list[Component]:
   c_i F_i) K^T V``: the merged ``W2`` is the shared unscaled ``V`` weight and
   ``W3``/``B3`` carry the coefficients (Newton's ``w_0 = (alpha/N) X^T y`` on
   the M rows and ``p_0 = (1/N) U X^T y`` on the query rows, one component as
-  in the hand-laid form).
+  in ``forms.Newton``).
   """
   groups = {}
   for part in parts:

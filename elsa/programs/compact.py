@@ -8,7 +8,7 @@ layer stays exact:
 
 * **shared columns**: blocks on disjoint tokens take the same columns (the
   predictions ``p`` on the example and query rows and ``w`` on its rows, in
-  one column, as the hand form ``forms.Natural`` lays them out), each share
+  one column, as ``forms.Natural`` lays them out), each share
   kept only if no layer needs more components;
 * **the first iteration moves the inputs**: a relocation layer followed by a
   loop becomes the loop's first iteration, as a layer of its own doing the
