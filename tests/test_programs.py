@@ -814,9 +814,10 @@ def test_a_split_loop_runs_its_layers_per_iteration_with_that_iteration_scalars(
 
 
 # Sizes of programs that need no rewrite (BUILD_NOTES.md, "Matrix programs"):
-# N = 20, d = 5, Q = 3; before compact layouts 28 x 14 and 28 x 23 (w, r and
-# the read-out p now share a column, and w and p in Newton-Schulz).
-UNREWRITTEN_SIZES = {"ridge_gd": (28, 12, 3, 1), "newton_schulz": (28, 22, 3, 2)}
+# N = 20, d = 5, Q = 3; before compact layouts 28 x 14 (3) and 28 x 23 (w, r
+# and the read-out p now share a column, and w and p in Newton-Schulz; the
+# coefficient merge makes ridge_gd's loop one product).
+UNREWRITTEN_SIZES = {"ridge_gd": (28, 12, 2, 1), "newton_schulz": (28, 22, 3, 2)}
 
 
 @pytest.mark.parametrize("name", list(UNREWRITTEN_SIZES))
@@ -831,15 +832,16 @@ def test_programs_that_need_no_rewrite_compile_without_one(name):
 
 
 def test_a_program_that_cannot_share_columns_keeps_the_uncompacted_layout():
-  """``v = X @ w`` beside ``w = w / 2``: sharing ``v``'s columns with ``w``'s
-  would need a correction of the column mix in the loop (a third
-  component), so the compiled layout is the one :func:`layout.solve` gives
+  """``v = 2 v + X @ w`` beside ``w = w / 2``: in a shared column the mix
+  scales by 2 for ``v`` and needs a correction on ``w``'s tokens (a third
+  component: its two coefficients, 1/2 and -2, keep it from merging into
+  the product), so the compiled layout is the one :func:`layout.solve` gives
   before compaction, block for block."""
   from elsa.programs import layout as layout_lib, rewrite
   prog = programs.Program()
   X = prog.input("X", (5, 3))
   w, v = prog.state("w", (3, 2)), prog.state("v", (5, 2))
-  prog.loop({w: 0.5 * w, v: X @ w})
+  prog.loop({w: 0.5 * w, v: 2 * v + X @ w})
   plan = rewrite.plan(prog)
   solved, _, _ = layout_lib.solve(plan.program, plan.stages)
   compiled = programs.compile(prog)
@@ -935,8 +937,8 @@ def test_natural_newton_schulz_compiles_to_the_newton_form_exactly(N, d, Q):
 
 
 def test_a_constant_the_mix_cannot_take_rides_in_a_product():
-  """``S = X^T X + c I`` on 5 tokens by 6 features: the mix would need ``m >=
-  n + 3``; the Gram hosts ``c I`` in new inner columns (``B3 = S_R``, ``B1 =
+  """``S = X^T X + c I`` on 5 tokens by 3 features (``S`` in ``X``'s
+  columns): the mix would need ``m >= n + 3``; the Gram hosts ``c I`` in new inner columns (``B3 = S_R``, ``B1 =
   S_Z``, ``B2 = S_Z c_R`` on rows where its keys and values are zero), so the
   layer is two components, exact, also for a traced ``c``; a Gram reading
   every row has no such rows and the constant keeps its own component."""
@@ -948,7 +950,7 @@ def test_a_constant_the_mix_cannot_take_rides_in_a_product():
   c = prog.scalar("c")
   prog.layer({S: X.T @ X + c * programs.eye(3)})
   compiled = programs.compile(prog)
-  assert (compiled.m, compiled.n, compiled.components) == (5, 6, [["mix",
+  assert (compiled.m, compiled.n, compiled.components) == (5, 3, [["mix",
                                                                    "gram"]])
   for value in (0.7, jnp.asarray(-1.3)):
     hs = elsa.elsa_stack(jax.jit(lambda c: compiled.params(loops=0, c=c))(
