@@ -8,6 +8,7 @@ largest absolute entry of the reference trajectory.
 
 import dataclasses
 import functools
+import itertools
 import zlib
 
 import chex
@@ -225,6 +226,23 @@ def test_vmap_over_a_lam_eta_grid(form_cls):
   for i, (lam, eta) in enumerate(zip(lams, etas)):
     want = ridge.gd(x, y, lam=lam, eta=eta, steps=depth)
     assert rel_err(got[i], want) < F64_RTOL
+
+
+def test_every_form_compiles_to_its_layout_at_every_small_shape():
+  # The compiler's choices (rows, column shares, moves, merges) give each
+  # form's tokens, components per layer and set-up layers, and fit its
+  # columns, at all 192 shapes N <= 6, d <= 4, Q <= 3, n_out <= 2.
+  for n_train, d, n_query, n_out in itertools.product(
+      range(1, 7), range(1, 5), range(4), (1, 2)):
+    for form_cls, C, setup in ((forms.Designed, 2, 0),
+                               (forms.Natural, 3 if n_query else 2, 0),
+                               (forms.Newton, 3, 2)):
+      form = form_cls(n_train=n_train, d=d, n_query=n_query, n_out=n_out)
+      compiled = form.compiled
+      assert (compiled.m, compiled.width, compiled.setup_layers) == (
+          form.m, C, setup), (form, repr(compiled))
+      cols = form._columns()  # distinct form columns, one per compiled one
+      assert len(set(cols)) == len(cols) == compiled.n <= form.n
 
 
 @pytest.mark.parametrize("form_cls", FORMS)
