@@ -1,7 +1,7 @@
 """Test-wide settings: float64 available everywhere (each test names its
 dtype), property tests that draw the same examples on every run, the
-``variant`` fixture, one persistent compilation cache per test run, and the
-slowest files first.
+``variant`` fixture, one persistent compilation cache per test run, XLA's
+backend optimisations off, and the slowest files first.
 
 The cache: the suite compiles the same programs in several processes (the
 xdist workers, the drivers' subprocesses, every process of a multi-process
@@ -21,6 +21,20 @@ import tempfile
 import jax
 import pytest
 from hypothesis import settings
+
+# XLA's backend (LLVM) optimisations at level 0 in every process of the run:
+# this one, the xdist workers and every subprocess inherit XLA_FLAGS (set
+# here, before any backend starts; tests/multiprocess.py keeps it beside the
+# device count). The suite compiles far more than it runs, and on CPU level 0
+# roughly halves a compilation (elsa/decompile.py's fits already use it); the
+# HLO passes (fusion, simplification) still run. Results differ from the
+# default level by rounding only (a * b + c is not contracted into one FMA),
+# what the tests' tolerances are for: no test compares against numbers
+# computed at another level.
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
+if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", "").split():
+  os.environ["XLA_FLAGS"] = " ".join(
+      filter(None, (os.environ.get("XLA_FLAGS"), _FAST_COMPILE)))
 
 jax.config.update("jax_enable_x64", True)
 

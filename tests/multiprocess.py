@@ -47,13 +47,18 @@ def free_port() -> int:
 
 
 def environment(devices: int) -> dict[str, str]:
-  """The environment of one process: CPU, ``devices`` host devices, the repo importable."""
+  """The environment of one process: CPU, ``devices`` host devices, the repo
+  importable, the rest of this process's environment (``XLA_FLAGS`` too)."""
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("SLURM_", "JAX_COORDINATOR"))}
   path = env.get("PYTHONPATH")
+  # The run's other XLA flags (tests/conftest.py) are kept.
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO + (f":{path}" if path else
                                                     ""),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=" ".join(
+                 [*flags, f"--xla_force_host_platform_device_count={devices}"]))
   return env
 
 

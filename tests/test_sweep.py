@@ -21,6 +21,7 @@ from elsa import ridge
 from experiments import common
 from experiments import sweep
 from experiments.configs import sweep as sweep_config
+from tests import multiprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32_BOUND = 2e-6
@@ -252,8 +253,7 @@ def test_measure_task_detects_a_wrong_stack():
 def test_cli_float64_sharded_on_four_devices_equals_one_device(tmp_path):
   """The command line, with overrides, on 4 forced host devices, in float64."""
   workdir = str(tmp_path / "sharded")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
+  env = multiprocess.environment(devices=4)
   cmd = [sys.executable, "-m", "experiments.sweep",
          "--config=experiments/configs/sweep.py:tiny", "--config.dtype=float64",
          "--config.depth=4", "--config.chunk_size=6", f"--workdir={workdir}"]
