@@ -1,7 +1,7 @@
 """Test-wide settings: float64 available everywhere (each test names its
 dtype), property tests that draw the same examples on every run, the
 ``variant`` fixture, one persistent compilation cache per test run, XLA's
-backend optimisations off, and the slowest files first.
+backend optimisations at level 0, and the slowest files first.
 
 The cache: the suite compiles the same programs in several processes (the
 xdist workers, the drivers' subprocesses, every process of a multi-process
