@@ -125,13 +125,6 @@ class GDForm(TokenForm):
                 Xq=cols(self.z_cols), w=cols(self.p_cols),
                 Xw=cols(self.p_cols), p=cols(self.p_cols))
 
-  def _encode_blocks(self, **blocks) -> Array:
-    """``compiled.encode(**blocks)`` in the form's columns; no query blocks
-    without queries."""
-    if not self.n_query:
-      blocks = {k: v for k, v in blocks.items() if k not in ("Xq", "p")}
-    return self._from_compiled_state(self.compiled.encode(**blocks))
-
   # --- decoding -------------------------------------------------------------
   # decode_w and decode_pred are TokenForm's, on _w_block and _pred_block.
 

@@ -30,6 +30,21 @@ def _compile(form: "TokenForm") -> programs.Compiled:
   return programs.compile(form.program)
 
 
+@functools.lru_cache(maxsize=None)
+def _column_maps(form: "TokenForm") -> tuple[np.ndarray, np.ndarray]:
+  """``(cols, index)``, once per form: the form column of each compiled column
+  ``[compiled.n]``, and the compiled column of each form column ``[n]``
+  (``compiled.n`` where there is none: the zero the gather pads with)."""
+  compiled = form.compiled
+  cols = np.full(compiled.n, -1)
+  for name, (_, compiled_cols) in compiled.layout.items():
+    cols[compiled_cols] = list(form._block_columns()[name])
+  assert np.all(cols >= 0) and len(set(cols)) == len(cols), cols
+  index = np.full(form.n, compiled.n)
+  index[cols] = np.arange(compiled.n)
+  return cols, index
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _jitted(form: "TokenForm", method: str, static: tuple, *args):
   """``form.method(*args, **dict(static))`` compiled once per form, static
@@ -152,22 +167,23 @@ class TokenForm:
     attributes name. Columns the compiler left out (the query columns with
     ``n_query == 0``) stay zero in every state and parameter.
     """
-    cols = np.full(self.compiled.n, -1)
-    for name, (_, compiled_cols) in self.compiled.layout.items():
-      cols[compiled_cols] = list(self._block_columns()[name])
-    assert np.all(cols >= 0) and len(set(cols)) == len(cols), cols
-    return cols
+    return _column_maps(self)[0]
 
   def _in_form_columns(self, a: Array, axis: int) -> Array:
     """``a`` with its ``axis`` of compiled columns laid out as the form's ``n``
     columns, zero where the compiler has none (a gather: numpy for concrete
     ``a``, jax.numpy for traced)."""
     xp = jnp if isinstance(a, jax.core.Tracer) else np
-    index = np.full(self.n, self.compiled.n)
-    index[self._columns()] = np.arange(self.compiled.n)
     pad = [(0, 0)] * a.ndim
     pad[axis] = (0, 1)
-    return xp.take(xp.pad(a, pad), index, axis=axis)
+    return xp.take(xp.pad(a, pad), _column_maps(self)[1], axis=axis)
+
+  def _encode_blocks(self, **blocks) -> Array:
+    """``compiled.encode`` of those ``blocks`` the program declares (no query
+    blocks without queries), in the form's columns."""
+    declared = self.compiled.program.blocks
+    return self._from_compiled_state(self.compiled.encode(
+        **{k: v for k, v in blocks.items() if k in declared}))
 
   def _from_compiled_state(self, h: Array) -> Array:
     """``[..., m, compiled.n] -> [..., m, n]``: the state in the form's columns."""

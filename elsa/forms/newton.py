@@ -122,8 +122,7 @@ class Newton(TokenForm):
     return self._jit("encode", "_initial_state", x, y, x_query)
 
   def _initial_state(self, x, y, x_query) -> Array:
-    blocks = dict(X=x, y=y, Xq=x_query) if self.n_query else dict(X=x, y=y)
-    return self._from_compiled_state(self.compiled.encode(**blocks))
+    return self._encode_blocks(X=x, y=y, Xq=x_query)
 
   # --- the program ------------------------------------------------------------
 
