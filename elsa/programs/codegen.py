@@ -354,9 +354,8 @@ def components(step: Step, layout: Layout, zero=frozenset()) -> list[Component]:
   mix = _column_mix(step, m, n, zero)
   constant = Component("constant")
   seen = np.zeros((m, n), bool)  # the cells that may be nonzero before it
-  for name, p in before.items():
-    if name not in zero:
-      seen[np.ix_(p.rows, p.cols)] = True
+  for rows, present in _present(step, n, zero).items():
+    seen[list(rows)] |= present
   out = []
   for block, c in step.terms:
     target = after[block.name]
