@@ -1,13 +1,31 @@
-"""Installs the `elsa` package: `pip install -e '.[test]'`."""
+"""Installs the `elsa` package, distributed as `elsa-attention`: `pip install -e '.[test]'`.
+
+The version is `elsa.__version__`, read from elsa/__init__.py without
+importing the package (which needs jax); pyproject.toml holds the build-system
+table only.
+"""
+
+import os
+import re
 
 from setuptools import find_packages, setup
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version() -> str:
+  with open(os.path.join(_HERE, "elsa", "__init__.py"), encoding="utf-8") as f:
+    return re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M).group(1)
+
+
 setup(
-    name="elsa",
-    version="0.1.0",
+    # `elsa` on the package index is an unrelated project; the import name
+    # stays `elsa`.
+    name="elsa-attention",
+    version=_version(),
     description="Extended linear self-attention (ELSA): exact constructions, "
                 "gradient descent and Newton-Schulz as attention stacks, in JAX.",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=open(os.path.join(_HERE, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["elsa", "elsa.*"]),
     python_requires=">=3.10",
@@ -34,6 +52,15 @@ setup(
             "nbformat>=5.9",
             "nbclient>=0.10",
             "ipykernel>=6.29",
+        ],
+        # The documentation site (docs/, tests/test_docs.py): the versions it
+        # was built with, warnings as errors.
+        "docs": [
+            "sphinx==9.0.4",
+            "myst-nb==1.4.0",
+            "myst-parser==5.2.0",
+            "sphinx-book-theme==1.4.0",
+            "pydata-sphinx-theme==0.20.0",
         ],
     },
 )

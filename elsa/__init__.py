@@ -10,4 +10,5 @@ from elsa.attention import (ElsaParams, PrunedStack, elsa, elsa_layer,
 
 __all__ = ["ElsaParams", "PrunedStack", "constructions", "decompile", "elsa", "elsa_layer",
            "elsa_stack", "forms", "lsa", "nn", "prune", "ridge", "training"]
+# The one place the version is written: setup.py reads it, CHANGELOG.md names it.
 __version__ = "0.1.0"

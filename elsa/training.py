@@ -381,6 +381,7 @@ class TrainState(NamedTuple):
 
 def init_state(params: nnx.State, tx: optax.GradientTransformation
                ) -> TrainState:
+  """The state of one run: ``params``, ``tx``'s state for them, step 0."""
   return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
 
