@@ -52,6 +52,9 @@ setup(
             "nbformat>=5.9",
             "nbclient>=0.10",
             "ipykernel>=6.29",
+            # tests/test_package.py builds the wheel offline (no build
+            # isolation), which setuptools < 70.1 does through `wheel`.
+            "wheel>=0.42",
         ],
         # The documentation site (docs/, tests/test_docs.py): the versions it
         # was built with, warnings as errors.

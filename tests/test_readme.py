@@ -1,9 +1,9 @@
-"""The README's tour runs as written, and its commands are what CI runs."""
+"""The README opens with the two commands, and the test command is what CI runs.
+
+Its code blocks run in tests/test_docs.py, each on its own, with the site's."""
 
 import os
 import re
-import subprocess
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -13,21 +13,15 @@ def _readme():
     return f.read()
 
 
-def test_tour_runs():
-  blocks = re.findall(r"```python\n(.*?)```", _readme(), flags=re.S)
-  assert blocks, "README.md lost its python tour"
-  for block in blocks:
-    # A fresh interpreter: the tour runs in JAX's defaults (float32), not in
-    # the float64 the test session enables.
-    subprocess.run([sys.executable, "-c", block], check=True, cwd=ROOT,
-                   timeout=300)
-
-
 def test_opens_with_the_two_commands():
   lines = _readme().split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
   assert lines[0].startswith("# run the main job")
   assert "python -m experiments.sweep" in lines[1]
   assert lines[2] == "# run the tests"
   assert "pip install -e" in lines[3] and "pytest" in lines[3]
+  # The suite builds the documentation site (tests/test_docs.py): the test
+  # command installs its tools.
+  extras = re.search(r"pip install -e '\.\[([\w,]+)\]'", lines[3]).group(1)
+  assert {"test", "docs"} <= set(extras.split(","))
   with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
     assert "'^# run the tests' README.md" in f.read()
