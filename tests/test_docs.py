@@ -14,7 +14,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Every public module and its page of the API reference (docs/api/).
+# Every public module and its page of the API reference (docs/api/); elsa.tasks
+# joins with its page when it is merged.
 MODULES = ("attention", "constructions", "ridge", "forms", "programs",
            "algorithms", "nn", "training", "decompile")
 
