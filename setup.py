@@ -53,7 +53,9 @@ setup(
             "nbclient>=0.10",
             "ipykernel>=6.29",
             # tests/test_package.py builds the wheel offline (no build
-            # isolation), which setuptools < 70.1 does through `wheel`.
+            # isolation) with these (setuptools < 70.1 needs `wheel`; a
+            # Python 3.12 venv has no setuptools).
+            "setuptools>=64",
             "wheel>=0.42",
         ],
         # The documentation site (docs/, tests/test_docs.py): the versions it
