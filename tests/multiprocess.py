@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,7 +73,7 @@ def run_single(driver: str, args: list[str], *, devices: int = 1,
 
 def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
            processes: int = 2, devices: int = 2, timeout: float = 120,
-           slurm: bool = False,
+           slurm: bool = False, start: Sequence[int] | None = None,
            kill_when: tuple[int, Callable[[], bool]] | None = None
            ) -> list[Finished]:
   """Runs ``driver`` with ``--distributed`` as ``processes`` processes; waits for all.
@@ -85,15 +85,18 @@ def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
     timeout: seconds for the whole job; then every process is killed.
     slurm: launch as ``srun`` would (SLURM_* environment, no coordinator
       flags) instead of with the coordinator flags.
+    start: the process ids to start (default all): the others never join,
+      as a host the scheduler never started; they are reported as killed.
     kill_when: ``(process_id, condition)``: kill that process (SIGKILL) as
       soon as ``condition()`` holds, as a preempted host dies.
 
   Returns:
-    One :class:`Finished` per process, by process id.
+    One :class:`Finished` per process started, by process id.
   """
   port = free_port()
   procs, logs = [], []
-  for pid in range(processes):
+  started = range(processes) if start is None else start
+  for pid in started:
     env = environment(devices)
     cmd = [sys.executable, "-m", f"experiments.{driver}",
            *(args(pid) if callable(args) else args), "--distributed"]
@@ -134,10 +137,10 @@ def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
         killed.add(i)
       p.wait()
   finished = []
-  for i, (p, (out, err)) in enumerate(zip(procs, logs)):
+  for position, (i, p, (out, err)) in enumerate(zip(started, procs, logs)):
     out.seek(0)
     err.seek(0)
-    finished.append(Finished(i, None if i in killed else p.returncode,
+    finished.append(Finished(i, None if position in killed else p.returncode,
                              out.read(), err.read()))
     out.close()
     err.close()

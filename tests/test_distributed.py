@@ -212,6 +212,71 @@ def test_newton_two_processes_equal_one_device(tmp_path):
   assert sorted(os.listdir(multi)) == sorted(os.listdir(single))
 
 
+@pytest.mark.parametrize("driver, other, named", [
+    ("sweep", "--config.seed=1", "config.seed (0 on process 0, 1 on process "
+     "1)"),
+    ("train", "--config.n_test=4", "config.n_test (256 on process 0, 4 on "
+     "process 1)")])
+def test_processes_given_different_jobs_stop_before_the_claim(
+    tmp_path, driver, other, named):
+  """MP1: process 1 given another config field and another workdir: both
+  stop with the same one line naming the fields and both values, before
+  anything is written (they end before anything compiles)."""
+  workdirs = [str(tmp_path / "one"), str(tmp_path / "two")]
+  finished = multiprocess.launch(driver, lambda pid: [
+      f"--config=experiments/configs/{driver}.py:tiny",
+      f"--workdir={workdirs[pid]}", *([other] if pid else [])], timeout=60)
+  line = (f"{driver}: the processes were given different jobs: process 1 "
+          f"differs from process 0 in {named}; workdir ({workdirs[0]!r} on "
+          f"process 0, {workdirs[1]!r} on process 1). Give every process the "
+          "same command (only --process_id differs); nothing was written.")
+  for f in finished:
+    assert f.returncode == 1, multiprocess.report(finished)
+    assert f.stderr.strip().splitlines()[-1] == line, (
+        multiprocess.report(finished))
+    assert "Traceback" not in f.stderr
+  assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("driver, started", [("algorithms", 0),
+                                             ("newton", 1)])
+def test_a_process_that_never_joins_is_reported_in_bounded_time(
+    tmp_path, driver, started):
+  """MP4: one process of two is never started (the coordinator's, or the
+  other): the one started ends after --join_timeout with the driver's line
+  saying what happened and how to resume, not after JAX's 5 minutes."""
+  workdir = str(tmp_path / "never")
+  finished = multiprocess.launch(driver, [
+      f"--config=experiments/configs/{driver}.py:tiny", f"--workdir={workdir}",
+      "--join_timeout=5"], start=[started], timeout=60)
+  (f,) = finished
+  assert f.returncode == 1, multiprocess.report(finished)
+  assert f.stderr.strip().splitlines()[-1] == (
+      f"{driver}: stopped: not every process joined the job within "
+      "--join_timeout=5 s. Start all 2 processes with the same "
+      "--coordinator_address and --num_processes, each with its own "
+      "--process_id (or through the scheduler); the same command then "
+      "resumes the run from the files in --workdir."), (
+          multiprocess.report(finished))
+  assert not os.path.exists(workdir)
+
+
+def test_process_0_killed_is_reported_by_the_others(tmp_path):
+  """MP5: process 0 (which runs the coordination service) killed once the
+  workdir is claimed: process 1 ends at once with the driver's line."""
+  workdir = str(tmp_path / "run")
+  finished = multiprocess.launch(
+      "train", [*TRAIN, f"--workdir={workdir}", "--heartbeat_timeout=5"],
+      timeout=60, kill_when=(0, lambda: os.path.exists(
+          os.path.join(workdir, "config.json"))))
+  assert finished[0].returncode is None, multiprocess.report(finished)
+  assert finished[1].returncode == 1, multiprocess.report(finished)
+  assert finished[1].stderr.strip().splitlines()[-1].startswith(
+      "train: stopped: process 1 lost the job: another process died or sent "
+      "no heartbeat for --heartbeat_timeout=5 s, or process 0, which runs the "
+      "coordination service, is gone"), multiprocess.report(finished)
+
+
 class _FakeStore:
   """The coordination service's key-value store, as seen by one process."""
 
