@@ -18,8 +18,10 @@ through the :class:`Workdir` it gets. The workdir then guarantees:
   deletes what the manifest records (and ``config.json``, ``results.json``),
   reached without following a symlink (a link is removed as a link), a
   folder only if the driver made it for other code to fill; every other
-  file stays, whatever its name. A damaged manifest (or ``config.json``) is
-  refused by name, and ``overwrite`` clears it.
+  file stays, whatever its name. The manifest carries a checksum and is
+  read without following a symlink: an edited, damaged or linked manifest
+  (or a damaged ``config.json``) is refused by name, and ``overwrite``
+  clears it without deleting anything it names.
 """
 
 from __future__ import annotations
@@ -376,8 +378,7 @@ class Workdir:
                            "did not make it. Move it away, or use another "
                            "--workdir.")
       recorded[kind].add(name)  # before it exists: a kill leaves no orphan
-      write_json(self.path(MANIFEST), {k: sorted(v) for k, v in
-                                       recorded.items()})
+      _write_manifest(self.root, recorded)
     try:
       with _folder(self.root, name if tree else os.path.dirname(name),
                    make=True):
@@ -532,31 +533,59 @@ def _delete(root: str, name: str, *, tree: bool = False) -> bool:
     return False
 
 
-def _manifest(root: str, *, overwrite: bool = False) -> dict[str, set[str]]:
-  """What the manifest records: ``files`` and ``trees`` (a plain list, as
-  earlier versions wrote, is files). A damaged one is refused, or with
-  ``overwrite`` deleted (with a warning) and taken as empty."""
-  path = os.path.join(root, MANIFEST)
+def _write_manifest(root: str, recorded: dict[str, set[str]]) -> None:
+  """Writes the manifest: ``files`` and ``trees``, sorted, with a SHA-256 of
+  them under ``"_check"`` (an edited manifest must not steer ``overwrite``)."""
+  listed = {kind: sorted(names) for kind, names in recorded.items()}
+  write_json(os.path.join(root, MANIFEST),
+             {**listed, _CHECK: {"sha256": _digest(listed)}})
+
+
+def _read_manifest(path: str) -> dict[str, set[str]] | None:
+  """The manifest's ``files`` and ``trees``; ``None`` if there is none.
+
+  Raises:
+    CorruptOutput: saying why it cannot be trusted (a symlink, not JSON, no
+      or a wrong checksum, a name not inside the workdir).
+  """
+  if not os.path.lexists(path):
+    return None
+  if os.path.islink(path):
+    raise CorruptOutput("is a symlink, not the file the driver wrote")
   try:
     found = read_json(path)
   except CorruptOutput:
-    found = "damaged"
-  if found is None or isinstance(found, list):
-    found = {"files": found or []}
-  if isinstance(found, dict) and set(found) <= {"files", "trees"} and all(
+    raise CorruptOutput("is not valid JSON") from None
+  check = found.pop(_CHECK, None) if isinstance(found, dict) else None
+  if not isinstance(check, dict) or check.get("sha256") != _digest(found):
+    raise CorruptOutput("fails its checksum (altered, or written by an older "
+                        "version)")
+  if set(found) <= {"files", "trees"} and all(
       isinstance(v, list) and all(map(_inside, v)) for v in found.values()):
     return {kind: set(found.get(kind, ())) for kind in ("files", "trees")}
-  if not overwrite:
-    raise CorruptOutput(
-        f"{path!r}, the record of what the driver wrote in this workdir (what "
-        "--overwrite deletes), is damaged. Rerun with --overwrite to start "
-        f"afresh: it then deletes only {' and '.join(_FIXED)}, and keeps "
-        "every other file (delete what you no longer want by hand); or use "
-        "another --workdir.")
-  os.remove(path)
-  logging.warning("--overwrite: deleted the damaged %s; what it listed stays "
-                  "in %s.", MANIFEST, root)
-  return {"files": set(), "trees": set()}
+  raise CorruptOutput("names a path outside the workdir")
+
+
+def _manifest(root: str, *, overwrite: bool = False) -> dict[str, set[str]]:
+  """What the manifest records: ``files`` and ``trees``, verified. A damaged
+  one is refused, or with ``overwrite`` deleted (a link as a link, with a
+  warning) and taken as empty: what it names is never deleted."""
+  path = os.path.join(root, MANIFEST)
+  try:
+    recorded = _read_manifest(path)
+  except CorruptOutput as why:
+    if not overwrite:
+      raise CorruptOutput(
+          f"{path!r}, the record of what the driver wrote in this workdir "
+          f"(what --overwrite deletes), is damaged: it {why}. Rerun with "
+          f"--overwrite to start afresh: it then deletes only "
+          f"{' and '.join(_FIXED)}, and keeps every other file (delete what "
+          "you no longer want by hand); or use another --workdir.") from None
+    os.remove(path)
+    logging.warning("--overwrite: deleted the damaged %s (it %s); what it "
+                    "listed stays in %s.", MANIFEST, why, root)
+    recorded = None
+  return recorded or {"files": set(), "trees": set()}
 
 
 @contextlib.contextmanager
