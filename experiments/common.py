@@ -437,8 +437,8 @@ class Workdir:
   def unseal(self, path: str, arrays: dict[str, Any], *,
              remedy: str | None = None) -> dict[str, np.ndarray]:
     """What :meth:`seal` returned, read back from ``path``: verified, else
-    :class:`CorruptOutput` names ``path`` and the way out (delete
-    ``remedy``, default ``path``)."""
+    :class:`CorruptOutput` names ``path`` and the way out: ``remedy``, the
+    sentence that ends the message (default :func:`way_out` of ``path``)."""
     arrays = {k: np.asarray(v) for k, v in arrays.items()}
     # uint8, or a numpy string as earlier versions stored it.
     text = lambda a: bytes(a).decode() if a.dtype == np.uint8 else str(a)
@@ -476,7 +476,7 @@ class Workdir:
 
   def _verify(self, path: str, found_hash, content_ok: bool, *,
               remedy: str | None = None) -> None:
-    remedy = way_out(remedy or path)
+    remedy = remedy or way_out(path)
     if not found_hash:
       raise CorruptOutput(f"{path!r} has no config hash and checksum, so it "
                           "cannot be trusted; " + remedy)

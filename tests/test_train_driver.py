@@ -1,6 +1,7 @@
 """End-to-end test of experiments/train.py on a tiny config: results, tuning, resume, overwrite."""
 
 import os
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -225,7 +226,8 @@ def _train_only(monkeypatch):
   """train.run without the evaluation and figures (the checkpoints are the
   point here)."""
   monkeypatch.setattr(train, "_evaluate_all", lambda config, trained, etas: {
-      "test_loss": {name: [1.0] for name in (*config.models, "gd_best_eta")}})
+      "test_loss": {name: [1.0] * len(config.depths)
+                    for name in (*config.models, "gd_best_eta")}})
   monkeypatch.setattr(train, "_write_figures", lambda results, wd: None)
 
 
@@ -264,6 +266,63 @@ def test_a_foreign_or_damaged_checkpoint_is_refused_by_name(tmp_path,
   shutil.rmtree(os.path.join(other, folder))  # the way out
   train.run(_checkpoint_config(1), other)
   assert _checkpoints(other) == ["10", "20"]
+
+
+def _follow_way_outs(run, expected: list[str]) -> dict:
+  """Calls ``run()`` until it finishes; each refusal must match the next of
+  ``expected`` and name a path to delete, which is deleted (what a user does)
+  before the next call. Returns what the finished run returned."""
+  for pattern in expected:
+    with pytest.raises(common.CorruptOutput, match=pattern) as err:
+      run()
+    message = str(err.value)
+    assert "\n" not in message
+    for path in re.findall(r"delete '([^']+)'(?: and '([^']+)')?", message)[0]:
+      if os.path.isdir(path):
+        shutil.rmtree(path)
+      elif path:
+        os.remove(path)
+  return run()
+
+
+def test_a_checkpoint_under_another_name_is_refused_and_the_way_out_works(
+    tmp_path, monkeypatch):
+  """CK1-CK3: the seal binds the model, depth, grid and step. Another model's
+  checkpoint under this name (CK2), a depth-1 one in the depth-2 folder
+  (CK3, not a vmap error) and step 10's filed as step 20 (CK1) are each
+  refused by name; deleting what the message names and rerunning the same
+  command ends in the run a clean workdir gives."""
+  _train_only(monkeypatch)
+  config = _checkpoint_config(0)
+  config.models = ("lsa_trained", "lsa_residual_trained")
+  config.depths = (1, 2)
+  workdir = str(tmp_path / "run")
+  clean = train.run(config, workdir)
+  os.remove(os.path.join(workdir, "results.json"))
+  folder = lambda name: os.path.join(workdir, "checkpoints", name)
+  step = lambda name, i: os.path.join(folder(name), str(i))
+
+  def put(source: str, target: str) -> None:
+    shutil.rmtree(target)
+    shutil.copytree(source, target)
+
+  shutil.copytree(step("lsa_trained_L1", 20), tmp_path / "depth1")
+  put(step("lsa_residual_trained_L1", 20), step("lsa_trained_L1", 20))
+  put(tmp_path / "depth1", step("lsa_trained_L2", 20))
+  put(step("lsa_residual_trained_L2", 10), step("lsa_residual_trained_L2", 20))
+  way_out = lambda name: (f"it was copied or renamed; delete "
+                          f"'{re.escape(folder(name))}' \\(or rerun with "
+                          "--overwrite")
+  resumed = _follow_way_outs(lambda: train.run(config, workdir), [
+      "lsa_trained_L1/20' holds lsa_residual_trained at depth 1, step 20, .*"
+      "not lsa_trained at depth 1, step 20.*" + way_out("lsa_trained_L1"),
+      "lsa_trained_L2/20' holds lsa_trained at depth 1, step 20.*not "
+      "lsa_trained at depth 2, step 20.*" + way_out("lsa_trained_L2"),
+      "lsa_residual_trained_L2/20' holds lsa_residual_trained at depth 2, "
+      "step 10.*not lsa_residual_trained at depth 2, step 20.*"
+      + way_out("lsa_residual_trained_L2")])
+  assert resumed["train_loss"] == clean["train_loss"]
+  assert resumed["tuning"] == clean["tuning"]
 
 
 @pytest.mark.parametrize("field,value,pattern", [
