@@ -654,6 +654,33 @@ def _delete_outputs(root: str, recorded: dict[str, set[str]]) -> list[str]:
   return deleted
 
 
+def _changed(found: dict, wanted: dict) -> list[str]:
+  """The fields of two canonical configs that differ, sorted."""
+  return sorted(k for k in set(found) | set(wanted)
+                if found.get(k) != wanted.get(k))
+
+
+def check_other_workdir(root: str, config: ml_collections.ConfigDict, *,
+                        remedy: str) -> None:
+  """Refuses, before a driver claims its own workdir, a workdir another step
+  of it will claim (decompile's train workdir) that holds another config:
+  the refusal then leaves nothing behind, so ``remedy`` (the sentence that
+  ends the message, naming what to change) leads to a run.
+
+  Raises:
+    WorkdirInUse: ``root/config.json`` is of another config.
+  """
+  try:
+    found = read_json(os.path.join(root, "config.json"))
+  except CorruptOutput:
+    return  # the claim there refuses it, by name
+  if isinstance(found, dict) and canonical(found) != config_dict(config):
+    raise WorkdirInUse(
+        f"workdir {root!r} holds results of a different config (fields that "
+        f"differ: {', '.join(_changed(canonical(found), config_dict(config)))}"
+        f"); {remedy}")
+
+
 def _check_config_json(root: str, wanted: dict, overwrite: bool,
                        recorded: dict[str, set[str]]) -> None:
   """Refuses a workdir of another config, or with outputs but no config."""
@@ -677,10 +704,8 @@ def _check_config_json(root: str, wanted: dict, overwrite: bool,
   if found is None:
     why = "outputs but no config.json to say which config made them"
   else:
-    changed = sorted(k for k in set(found) | set(wanted)
-                     if found.get(k) != wanted.get(k))
     why = ("results of a different config (fields that differ: "
-           f"{', '.join(changed)})")
+           f"{', '.join(_changed(found, wanted))})")
   raise WorkdirInUse(f"workdir {root!r} holds {why}. Use another --workdir, "
                      "or pass --overwrite to replace them.")
 

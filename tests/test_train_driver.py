@@ -4,12 +4,16 @@ import os
 import re
 import shutil
 
+from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import common
+from experiments import decompile
 from experiments import train
+from experiments.configs import decompile as decompile_config
 from experiments.configs import train as train_config
 
 MODELS = ("elsa_trained", "lsa_trained", "lsa_residual_trained", "elsa_masked")
@@ -273,7 +277,8 @@ def _follow_way_outs(run, expected: list[str]) -> dict:
   ``expected`` and name a path to delete, which is deleted (what a user does)
   before the next call. Returns what the finished run returned."""
   for pattern in expected:
-    with pytest.raises(common.CorruptOutput, match=pattern) as err:
+    with pytest.raises((common.CorruptOutput, common.WorkdirInUse),
+                       match=pattern) as err:
       run()
     message = str(err.value)
     assert "\n" not in message
@@ -350,3 +355,69 @@ def test_every_field_is_checked_before_the_workdir_is_claimed(
   with pytest.raises(common.ConfigError, match=pattern) as err:
     train.validate(config)
   assert "\n" not in str(err.value)
+
+
+def _decompile_config(seed: int = 0):
+  """decompile's tiny config around :func:`_checkpoint_config`'s training."""
+  config = decompile_config.get_config("tiny")
+  config.train = _checkpoint_config(seed)
+  return config
+
+
+def _load_only(monkeypatch):
+  """decompile.run with the training of :func:`_train_only` and, in place of
+  the fits, a sum of the loaded model's parameters (the checkpoint is the
+  point here)."""
+  _train_only(monkeypatch)
+  monkeypatch.setattr(decompile, "_one", lambda config, model, depth, *_: {
+      "depth": depth, "weights": float(sum(
+          np.sum(np.asarray(leaf, np.float64))
+          for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))))})
+  monkeypatch.setattr(decompile, "_write_figures", lambda results, wd: None)
+
+
+def test_decompile_way_outs_lead_to_a_finished_run(tmp_path, monkeypatch):
+  """DC7b: a damaged checkpoint of a finished train run is refused by
+  decompile with a way out (delete the model's folder and the train run's
+  results.json) that, followed, retrains the model and finishes, not a
+  circle of "is missing". DC4: a train_workdir of another config is refused
+  before decompile's workdir is claimed (no config.json left behind), and
+  the commands it names (another train_workdir; or deleting it) finish."""
+  _load_only(monkeypatch)
+  workdir = str(tmp_path / "run")
+  config = _decompile_config()
+  results = decompile.run(config, workdir)
+  (first,) = results["models"]["elsa_trained"]
+  assert first["weights"] != 0
+  step = os.path.join(workdir, "train", "checkpoints", "elsa_trained_L1", "20")
+  for parent, _, names in os.walk(step):
+    for name in names:
+      with open(os.path.join(parent, name), "r+b") as f:
+        f.write(bytes(os.path.getsize(os.path.join(parent, name))))
+  for name in ("results.json", "partial_elsa_trained_L1.json"):
+    os.remove(os.path.join(workdir, name))
+  resumed = _follow_way_outs(lambda: decompile.run(config, workdir), [
+      "elsa_trained_L1/20' is not a readable checkpoint.*delete '.*"
+      "elsa_trained_L1' and '.*train/results.json', then rerun: train trains "
+      "elsa_trained at depth 1 again"])
+  assert resumed["models"] == results["models"]  # the same model, retrained
+
+  # DC4: the train workdir holds seed 1's run.
+  other = str(tmp_path / "seed1")
+  decompile.run(_decompile_config(1), str(tmp_path / "by_seed1"))
+  os.rename(str(tmp_path / "by_seed1" / "train"), other)
+  config = _decompile_config()
+  config.train_workdir = other
+  fresh = str(tmp_path / "fresh")
+  with pytest.raises(common.WorkdirInUse, match=(
+      f"workdir '{other}' holds results of a different config \\(fields that "
+      "differ: seed\\); pass another --config.train_workdir .* or delete "
+      f"'{other}' to train there afresh; nothing was written.")):
+    decompile.run(config, fresh)
+  assert not os.path.exists(os.path.join(fresh, "config.json"))
+  config.train_workdir = str(tmp_path / "train0")  # the first way out
+  assert decompile.run(config, fresh)["models"] == results["models"]
+  config.train_workdir = other
+  again = str(tmp_path / "again")
+  _follow_way_outs(lambda: decompile.run(config, again), [
+      "holds results of a different config"])  # the second: delete it
