@@ -263,7 +263,20 @@ def _learning_rate(config, peaks: np.ndarray, step: int) -> np.ndarray:
 
 
 def _point_tag(name: str, depth: int, lr: float, scale: float) -> str:
-  return f"{name}/L{depth}/lr_{lr:g}_init_scale_{scale:g}"
+  # TensorBoard's tags have no "+" ("1e+30" is renamed, with a log line per
+  # step): exponents as "1e30".
+  return (f"{name}/L{depth}/lr_{lr:g}_init_scale_{scale:g}").replace("+", "")
+
+
+def _track_steps(config, tracker: tracking.Tracker, tags: list[str],
+                 peaks: np.ndarray, losses: np.ndarray, begin: int,
+                 end: int) -> None:
+  """Every grid point's loss and learning rate at steps ``begin..end-1``."""
+  for i in range(begin, end):
+    tracker.scalars(i, {f"train/{tag}/loss": loss
+                        for tag, loss in zip(tags, losses[:, i])})
+    tracker.scalars(i, {f"train/{tag}/learning_rate": rate for tag, rate in
+                        zip(tags, _learning_rate(config, peaks, i))})
 
 
 def _init(config, *, name: str, depth: int, init_scale: float, dtype):
@@ -444,7 +457,8 @@ def train_one(config, *, name: str, depth: int, wd: common.Workdir,
   ``mesh``: axes ``("grid", "batch")`` over every device (:func:`layout`).
   Process 0 alone checkpoints (every ``checkpoint_every`` steps) and
   restores; the others take its restored state. Every step's loss and
-  learning rate of every grid point go to ``tracker``.
+  learning rate of every grid point go to ``tracker``'s sub-tracker
+  ``<name>_L<depth>``, rewritten whole: the restored steps too.
 
   Returns:
     the split with parameters stacked over the ``G`` grid points, the losses
@@ -482,8 +496,12 @@ def train_one(config, *, name: str, depth: int, wd: common.Workdir,
       lambda a: np.reshape(a, (groups, -1, *np.shape(a)[1:])), state))
   key = jax.random.fold_in(jax.random.key(config.seed), 10_000 + depth)
   key_data, rest = on_mesh((jax.random.key_data(key), split.rest))
-  tags = [_point_tag(name, depth, lr, scale) for lr, scale in points]
-  peaks = np.asarray([lr for lr, _ in points])
+  point_tracker = tracker.sub(f"{name}_L{depth}")
+  track = functools.partial(
+      _track_steps, config, point_tracker,
+      [_point_tag(name, depth, lr, scale) for lr, scale in points],
+      np.asarray([lr for lr, _ in points]))
+  track(losses, 0, start or 0)  # the restored steps: each step's events once
   step = start or 0
   timed_steps, timed_seconds = 0, 0.0
   while step < config.steps:
@@ -496,11 +514,7 @@ def train_one(config, *, name: str, depth: int, wd: common.Workdir,
     if step > (start or 0):  # the first chunk of a process compiles
       timed_steps += chunk
       timed_seconds += time.perf_counter() - tic
-    for i in range(step, step + chunk):
-      tracker.scalars(i, {f"train/{tag}/loss": loss
-                          for tag, loss in zip(tags, losses[:, i])})
-      tracker.scalars(i, {f"train/{tag}/learning_rate": rate for tag, rate in
-                          zip(tags, _learning_rate(config, peaks, i))})
+    track(losses, step, step + chunk)
     step += chunk
     state = jax.tree.map(lambda a: np.reshape(a, (-1, *np.shape(a)[2:])),
                          distributed.to_host(grouped))
@@ -512,6 +526,7 @@ def train_one(config, *, name: str, depth: int, wd: common.Workdir,
   if manager is not None:
     manager.wait_until_finished()
     manager.close()
+  point_tracker.close()
   for (lr, scale), point_losses in zip(points, losses):
     if not np.isfinite(point_losses).all():
       logging.warning("%s: lr=%g init_scale=%g DIVERGED (non-finite loss from "
@@ -776,8 +791,10 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir, mesh,
   _write_figures(results, wd)
   wd.write_json("results.json", results)
   for i, depth in enumerate(config.depths):
-    logging.info("L=%d: " + ", ".join(f"{k} %.4g" for k in results["test_loss"]),
-                 depth, *(v[i] for v in results["test_loss"].values()))
+    # A model whose whole grid diverged has no test loss (None).
+    logging.info("L=%d: %s", depth, ", ".join(
+        f"{name} {'diverged' if losses[i] is None else f'{losses[i]:.4g}'}"
+        for name, losses in results["test_loss"].items()))
   return results
 
 

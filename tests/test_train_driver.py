@@ -421,3 +421,23 @@ def test_decompile_way_outs_lead_to_a_finished_run(tmp_path, monkeypatch):
   again = str(tmp_path / "again")
   _follow_way_outs(lambda: decompile.run(config, again), [
       "holds results of a different config"])  # the second: delete it
+
+
+def test_a_run_whose_every_grid_point_diverged_is_summarised(
+    tmp_path, monkeypatch, caplog):
+  """CK8: learning rate 1e30: every point diverges; the run finishes and its
+  summary line says so (it was a logging TypeError on None)."""
+  _train_only(monkeypatch)
+  monkeypatch.setattr(train, "_evaluate_all", lambda config, trained, etas: {
+      "test_loss": {**{name: [1.0 if depth in trained[name] else np.nan
+                              for depth in config.depths]
+                       for name in config.models},
+                    "gd_best_eta": [0.5] * len(config.depths)}})
+  config = _checkpoint_config(0)
+  config.learning_rates = (1e30,)
+  with caplog.at_level("INFO"):
+    results = train.run(config, str(tmp_path / "run"))
+  assert results["diverged"] == {"elsa_trained": [True]}
+  assert results["test_loss"]["elsa_trained"] == [None]
+  assert "L=1: elsa_trained diverged, gd_best_eta 0.5" in [
+      record.getMessage() for record in caplog.records]
