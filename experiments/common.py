@@ -807,12 +807,20 @@ def float_dtype_enabled(dtype: str) -> Iterator[Any]:
     yield jnp.dtype(dtype)
 
 
+class UnknownVariant(ValueError):
+  """``get_config(arg)`` of a config file was given an ``arg`` it does not know."""
+
+
 def variant(driver: str, arg: str | None, known: Sequence[str]) -> str | None:
-  """``arg`` of ``get_config(arg)`` (``None`` or ``""``: the default), checked."""
+  """``arg`` of ``get_config(arg)`` (``None`` or ``""``: the default), checked.
+
+  Raises:
+    UnknownVariant: naming ``arg`` and the ``known`` ones.
+  """
   if arg in (None, ""):
     return None
   if arg not in known:
-    raise ValueError(f"{driver} config: unknown argument {arg!r}; known: "
+    raise UnknownVariant(f"{driver} config: unknown argument {arg!r}; known: "
                      f"{', '.join(repr(k) for k in known)} (or none for the "
                      "default).")
   return arg
@@ -853,6 +861,14 @@ def define_flags(config_name: str) -> None:
       return parse(argument)
     except (AttributeError, KeyError) as err:  # absl reports it in one line
       raise flags.IllegalFlagValueError(_no_such_field(err, argument)) from None
+    except flags.IllegalFlagValueError as err:
+      # An unknown variant: ml_collections puts the traceback in the message
+      # (absl recasts it); its last line ends in ours.
+      marker = f"{UnknownVariant.__module__}.{UnknownVariant.__name__}: "
+      if marker not in str(err):
+        raise
+      raise flags.IllegalFlagValueError(
+          str(err).rsplit(marker, 1)[1].strip()) from None
 
   flags.FLAGS[holder.name]._parse = parse_naming_unknown_fields  # pylint: disable=protected-access
   flags.DEFINE_string("workdir", None, "Where config.json, results and figures go.",

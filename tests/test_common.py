@@ -474,15 +474,21 @@ def test_an_unusable_workdir_is_reported_in_one_line(tmp_path):
     assert "\n" not in str(err.value) and "--workdir" in str(err.value)
 
 
-def test_an_unknown_config_field_is_reported_in_one_line(tmp_path):
+@pytest.mark.parametrize("flag, named, listed", [
+    ("--config.bogus_field=1", "bogus_field", "kappas"),  # the fields there are
+    ("--config=experiments/configs/newton.py:nosuchvariant", "'nosuchvariant'",
+     "known: 'tiny' (or none for the default)")])
+def test_an_unknown_config_field_is_reported_in_one_line(tmp_path, flag,
+                                                         named, listed):
+  """An unknown field, or an unknown variant of the config file."""
   proc = subprocess.run(
-      [sys.executable, "-m", "experiments.newton", "--config.bogus_field=1",
+      [sys.executable, "-m", "experiments.newton", flag,
        f"--workdir={tmp_path / 'run'}"], cwd=REPO, capture_output=True,
       text=True, timeout=120, check=False)
   assert proc.returncode != 0
   assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-  (line,) = [l for l in proc.stderr.splitlines() if "bogus_field" in l]
-  assert "kappas" in line  # the fields there are
+  (line,) = [l for l in proc.stderr.splitlines() if named in l]
+  assert listed in line
   assert not os.path.exists(tmp_path / "run")
 
 
