@@ -11,7 +11,7 @@ elsewhere with ``--coordinator_address=HOST:PORT --num_processes=N
 The contract every driver keeps through this module:
 
 * **One job.** Before anything else, every process posts its driver, its
-  ``--workdir`` (absolute) and its config (canonical) in the key-value store
+  ``--workdir`` (as given) and its config (canonical) in the key-value store
   and compares them with every other process's (:func:`agree_on_job`): a
   process given another config, workdir or driver stops every process with
   the same line naming what differs, before anything is claimed.
@@ -191,8 +191,8 @@ def agree_on_job(name: str, config: ml_collections.ConfigDict,
                  workdir: str) -> None:
   """Every process runs the same driver on the same workdir and config, or none does.
 
-  Each process posts its job (the driver ``name``, ``workdir`` made
-  absolute, the canonical config) and reads every other's; so each compares
+  Each process posts its job (the driver ``name``, ``workdir`` as given: the
+  same command on every host, the canonical config) and reads every other's; so each compares
   the same posts and all raise the same refusal. Nothing with one process.
 
   Raises:
@@ -203,7 +203,7 @@ def agree_on_job(name: str, config: ml_collections.ConfigDict,
   if client is None:
     return
   key = f"elsa/job/{next(_steps)}"
-  mine = {"driver": name, "workdir": os.path.abspath(workdir or ""),
+  mine = {"driver": name, "workdir": workdir,
           "config": common.config_dict(config)}
   client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(mine))
   jobs = [_job_fields(json.loads(client.blocking_key_value_get(

@@ -74,6 +74,7 @@ def run_single(driver: str, args: list[str], *, devices: int = 1,
 def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
            processes: int = 2, devices: int = 2, timeout: float = 120,
            slurm: bool = False, start: Sequence[int] | None = None,
+           cwd: Callable[[int], str] | None = None,
            kill_when: tuple[int, Callable[[], bool]] | None = None
            ) -> list[Finished]:
   """Runs ``driver`` with ``--distributed`` as ``processes`` processes; waits for all.
@@ -85,6 +86,8 @@ def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
     timeout: seconds for the whole job; then every process is killed.
     slurm: launch as ``srun`` would (SLURM_* environment, no coordinator
       flags) instead of with the coordinator flags.
+    cwd: each process's working folder, a function of the process id
+      (default the repo root).
     start: the process ids to start (default all): the others never join,
       as a host the scheduler never started; they are reported as killed.
     kill_when: ``(process_id, condition)``: kill that process (SIGKILL) as
@@ -111,7 +114,7 @@ def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
     out = tempfile.TemporaryFile("w+")
     err = tempfile.TemporaryFile("w+")
     logs.append((out, err))
-    procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out,
+    procs.append(subprocess.Popen(cmd, cwd=cwd(pid) if cwd else REPO, env=env, stdout=out,
                                   stderr=err, text=True))
   deadline = time.monotonic() + timeout
   killed = set()

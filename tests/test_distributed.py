@@ -90,10 +90,14 @@ def test_sweep_killed_process_stops_the_job_and_the_same_command_resumes(
   for name in os.listdir(workdir):
     if name.startswith("partial_") and name.endswith(".json"):
       os.remove(os.path.join(workdir, name))
-  elsewhere = str(tmp_path / "elsewhere")
+  # The same command (--workdir=run) run from other folders: process 1's
+  # "run" is not process 0's, as on a host without the shared filesystem.
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
   failed = multiprocess.launch(
-      "sweep", lambda pid: [*SWEEP, f"--workdir={elsewhere if pid else workdir}"],
-      timeout=150)
+      "sweep", [f"--config={multiprocess.REPO}/experiments/configs/sweep.py:"
+                "tiny", *SWEEP[1:], "--workdir=run"], timeout=150,
+      cwd=lambda pid: str(elsewhere if pid else tmp_path))
   assert [f.returncode for f in failed] == [1, 1], multiprocess.report(failed)
   assert "cannot see it" in failed[1].stderr
   assert ("sweep: stopped: process 1 failed: FileNotFoundError"
