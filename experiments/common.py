@@ -808,7 +808,7 @@ def float_dtype_enabled(dtype: str) -> Iterator[Any]:
 
 
 class UnknownVariant(ValueError):
-  """``get_config(arg)`` of a config file was given an ``arg`` it does not know."""
+  """A config file's ``get_config(arg)`` got an ``arg`` it does not know."""
 
 
 def variant(driver: str, arg: str | None, known: Sequence[str]) -> str | None:
@@ -820,9 +820,9 @@ def variant(driver: str, arg: str | None, known: Sequence[str]) -> str | None:
   if arg in (None, ""):
     return None
   if arg not in known:
-    raise UnknownVariant(f"{driver} config: unknown argument {arg!r}; known: "
-                     f"{', '.join(repr(k) for k in known)} (or none for the "
-                     "default).")
+    raise UnknownVariant(f"{driver} config: unknown argument {arg!r}; "
+                         f"known: {', '.join(repr(k) for k in known)} (or "
+                         "none for the default).")
   return arg
 
 

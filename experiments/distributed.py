@@ -189,11 +189,12 @@ def _job_fields(job: dict) -> dict:
 
 def agree_on_job(name: str, config: ml_collections.ConfigDict,
                  workdir: str) -> None:
-  """Every process runs the same driver on the same workdir and config, or none does.
+  """Every process runs the same driver, workdir and config, or none does.
 
   Each process posts its job (the driver ``name``, ``workdir`` as given: the
-  same command on every host, the canonical config) and reads every other's; so each compares
-  the same posts and all raise the same refusal. Nothing with one process.
+  same command on every host; the canonical config) and reads every
+  other's, so each compares the same posts and all raise the same refusal.
+  Nothing happens with one process.
 
   Raises:
     common.ConfigError: naming the first process whose job differs from
@@ -318,7 +319,8 @@ def _die_with_parent() -> None:
   """Asks Linux to kill this process when its parent ends (the supervisor,
   killed as a preempted host is): no orphan keeps the job's devices."""
   with contextlib.suppress(Exception):
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # prctl(PR_SET_PDEATHSIG, SIGKILL)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
   if os.getppid() == 1:  # the parent was gone before the request
     os._exit(1)  # pylint: disable=protected-access
 
@@ -350,8 +352,10 @@ def _supervise(name: str) -> int:
     os._exit(os.WEXITSTATUS(status))  # pylint: disable=protected-access
   killed_by = os.WTERMSIG(status)
   if killed_by != signal.SIGABRT:  # killed from outside: end the same way
-    signal.signal(killed_by, signal.SIG_DFL)
+    with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler
+      signal.signal(killed_by, signal.SIG_DFL)
     os.kill(os.getpid(), killed_by)
+    os._exit(128 + killed_by)  # pylint: disable=protected-access
   me = flags.FLAGS.process_id
   who = "this process" if me is None else f"process {me}"
   if not joined:

@@ -87,7 +87,7 @@ class Tracker:
                           if v is not None}, name="hparams")
 
   def close(self) -> None:
-    """Writes what is pending and closes (its sub-trackers too); again: nothing."""
+    """Writes what is pending and closes, its sub-trackers too (once)."""
     for sub in self._subs:
       sub.close()
     if self._writer is not None:

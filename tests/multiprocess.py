@@ -114,7 +114,8 @@ def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
     out = tempfile.TemporaryFile("w+")
     err = tempfile.TemporaryFile("w+")
     logs.append((out, err))
-    procs.append(subprocess.Popen(cmd, cwd=cwd(pid) if cwd else REPO, env=env, stdout=out,
+    procs.append(subprocess.Popen(cmd, cwd=cwd(pid) if cwd else REPO,
+                                  env=env, stdout=out,
                                   stderr=err, text=True))
   deadline = time.monotonic() + timeout
   killed = set()

@@ -517,7 +517,8 @@ def test_overwrite_never_deletes_what_a_tampered_manifest_names(tmp_path,
     why = "fails its checksum"
   elif tamper == "symlink":
     target = tmp_path / "list.json"
-    common._write_manifest(str(tmp_path), {k: set(v) for k, v in names.items()})  # pylint: disable=protected-access
+    common._write_manifest(  # pylint: disable=protected-access
+        str(tmp_path), {k: set(v) for k, v in names.items()})
     os.replace(tmp_path / common.MANIFEST, target)
     os.remove(path)
     os.symlink(target, path)

@@ -65,7 +65,8 @@ def test_sweep_refused_config_ends_every_process_with_one_line(tmp_path):
 
 def test_sweep_killed_process_stops_the_job_and_the_same_command_resumes(
     tmp_path):
-  """Process 1 killed after the first chunk file: the job stops, the workdir
+  """Process 1 killed after the first chunk file: process 0 stops after
+  --heartbeat_timeout with the driver's line, the workdir
   holds only whole files and resumes with the same command, every file
   written once. A process that fails (here: it cannot see process 0's files)
   stops the others at once with its reason. The resuming job is launched
@@ -75,9 +76,15 @@ def test_sweep_killed_process_stops_the_job_and_the_same_command_resumes(
   args = [*SWEEP, f"--workdir={workdir}"]
   chunks = lambda: sorted(n for n in os.listdir(workdir)
                           if n.endswith(".npz")) if os.path.isdir(workdir) else []
-  finished = multiprocess.launch("sweep", args, timeout=150,
+  finished = multiprocess.launch("sweep", [*args, "--heartbeat_timeout=6"],
+                                 timeout=150,
                                  kill_when=(1, lambda: bool(chunks())))
   assert finished[1].returncode is None, multiprocess.report(finished)
+  # MP4: process 0 ends by itself once process 1's heartbeats stop.
+  assert finished[0].returncode == 1, multiprocess.report(finished)
+  assert finished[0].stderr.strip().splitlines()[-1].startswith(
+      "sweep: stopped: process 0 lost the job: another process died or sent "
+      "no heartbeat for --heartbeat_timeout=6 s"), multiprocess.report(finished)
   assert not os.path.exists(os.path.join(workdir, "results.json"))
   done = {n: os.stat(os.path.join(workdir, n)).st_mtime_ns for n in chunks()}
   assert done and not any(n.startswith(".tmp-") for n in os.listdir(workdir))
