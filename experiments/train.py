@@ -347,8 +347,8 @@ def _restore(config, manager, wd: common.Workdir, folder: str, state, losses,
 
   Raises:
     common.CorruptOutput: it cannot be read, is of another config, another
-      model, depth, grid or step, was altered, or its arrays are not this
-      model's; naming it and ending with ``remedy`` (default: delete
+      model, depth, grid or step, was altered, or its arrays do not have
+      this model's shapes; naming it and ending with ``remedy`` (default: delete
       ``folder``).
   """
   remedy = remedy or common.way_out(folder)
@@ -381,8 +381,7 @@ def _restore(config, manager, wd: common.Workdir, folder: str, state, losses,
         f"{path!r} holds {what}, not {_describe(wanted)}: it was copied or "
         "renamed; " + remedy)
   leaves = jax.tree.leaves(state)
-  like = lambda a, b: np.shape(a) == np.shape(b) and (
-      np.asarray(a).dtype == np.asarray(b).dtype)
+  like = lambda a, b: np.shape(a) == np.shape(b)
   if (set(restored) != {"losses", *(f"state{i}" for i in range(len(leaves)))}
       or not like(restored["losses"], losses)
       or not all(like(restored[f"state{i}"], leaf)
@@ -390,7 +389,10 @@ def _restore(config, manager, wd: common.Workdir, folder: str, state, losses,
     raise common.CorruptOutput(
         f"{path!r} does not hold the arrays of {_describe(wanted)} (other "
         "shapes); " + remedy)
-  leaves = [jnp.asarray(restored[f"state{i}"]) for i in range(len(leaves))]
+  # In the dtypes of this process's state (with jax_enable_x64 on, as in
+  # decompile, the grid's learning rates are float64; the run saved float32).
+  leaves = [jnp.asarray(restored[f"state{i}"], np.asarray(leaf).dtype)
+            for i, leaf in enumerate(leaves)]
   return (step, jax.tree.unflatten(jax.tree.structure(state), leaves),
           restored["losses"])
 
