@@ -18,8 +18,10 @@ through the :class:`Workdir` it gets. The workdir then guarantees:
   deletes what the manifest records (and ``config.json``, ``results.json``),
   reached without following a symlink (a link is removed as a link), a
   folder only if the driver made it for other code to fill; every other
-  file stays, whatever its name. A damaged manifest (or ``config.json``) is
-  refused by name, and ``overwrite`` clears it.
+  file stays, whatever its name. The manifest carries a checksum and is
+  read without following a symlink: an edited, damaged or linked manifest
+  (or a damaged ``config.json``) is refused by name, and ``overwrite``
+  clears it without deleting anything it names.
 """
 
 from __future__ import annotations
@@ -376,8 +378,7 @@ class Workdir:
                            "did not make it. Move it away, or use another "
                            "--workdir.")
       recorded[kind].add(name)  # before it exists: a kill leaves no orphan
-      write_json(self.path(MANIFEST), {k: sorted(v) for k, v in
-                                       recorded.items()})
+      _write_manifest(self.root, recorded)
     try:
       with _folder(self.root, name if tree else os.path.dirname(name),
                    make=True):
@@ -436,8 +437,8 @@ class Workdir:
   def unseal(self, path: str, arrays: dict[str, Any], *,
              remedy: str | None = None) -> dict[str, np.ndarray]:
     """What :meth:`seal` returned, read back from ``path``: verified, else
-    :class:`CorruptOutput` names ``path`` and the way out (delete
-    ``remedy``, default ``path``)."""
+    :class:`CorruptOutput` names ``path`` and the way out: ``remedy``, the
+    sentence that ends the message (default :func:`way_out` of ``path``)."""
     arrays = {k: np.asarray(v) for k, v in arrays.items()}
     # uint8, or a numpy string as earlier versions stored it.
     text = lambda a: bytes(a).decode() if a.dtype == np.uint8 else str(a)
@@ -475,7 +476,7 @@ class Workdir:
 
   def _verify(self, path: str, found_hash, content_ok: bool, *,
               remedy: str | None = None) -> None:
-    remedy = way_out(remedy or path)
+    remedy = remedy or way_out(path)
     if not found_hash:
       raise CorruptOutput(f"{path!r} has no config hash and checksum, so it "
                           "cannot be trusted; " + remedy)
@@ -532,31 +533,59 @@ def _delete(root: str, name: str, *, tree: bool = False) -> bool:
     return False
 
 
-def _manifest(root: str, *, overwrite: bool = False) -> dict[str, set[str]]:
-  """What the manifest records: ``files`` and ``trees`` (a plain list, as
-  earlier versions wrote, is files). A damaged one is refused, or with
-  ``overwrite`` deleted (with a warning) and taken as empty."""
-  path = os.path.join(root, MANIFEST)
+def _write_manifest(root: str, recorded: dict[str, set[str]]) -> None:
+  """Writes the manifest: ``files`` and ``trees``, sorted, with a SHA-256 of
+  them under ``"_check"`` (an edited manifest must not steer ``overwrite``)."""
+  listed = {kind: sorted(names) for kind, names in recorded.items()}
+  write_json(os.path.join(root, MANIFEST),
+             {**listed, _CHECK: {"sha256": _digest(listed)}})
+
+
+def _read_manifest(path: str) -> dict[str, set[str]] | None:
+  """The manifest's ``files`` and ``trees``; ``None`` if there is none.
+
+  Raises:
+    CorruptOutput: saying why it cannot be trusted (a symlink, not JSON, no
+      or a wrong checksum, a name not inside the workdir).
+  """
+  if not os.path.lexists(path):
+    return None
+  if os.path.islink(path):
+    raise CorruptOutput("is a symlink, not the file the driver wrote")
   try:
     found = read_json(path)
   except CorruptOutput:
-    found = "damaged"
-  if found is None or isinstance(found, list):
-    found = {"files": found or []}
-  if isinstance(found, dict) and set(found) <= {"files", "trees"} and all(
+    raise CorruptOutput("is not valid JSON") from None
+  check = found.pop(_CHECK, None) if isinstance(found, dict) else None
+  if not isinstance(check, dict) or check.get("sha256") != _digest(found):
+    raise CorruptOutput("fails its checksum (altered, or written by an older "
+                        "version)")
+  if set(found) <= {"files", "trees"} and all(
       isinstance(v, list) and all(map(_inside, v)) for v in found.values()):
     return {kind: set(found.get(kind, ())) for kind in ("files", "trees")}
-  if not overwrite:
-    raise CorruptOutput(
-        f"{path!r}, the record of what the driver wrote in this workdir (what "
-        "--overwrite deletes), is damaged. Rerun with --overwrite to start "
-        f"afresh: it then deletes only {' and '.join(_FIXED)}, and keeps "
-        "every other file (delete what you no longer want by hand); or use "
-        "another --workdir.")
-  os.remove(path)
-  logging.warning("--overwrite: deleted the damaged %s; what it listed stays "
-                  "in %s.", MANIFEST, root)
-  return {"files": set(), "trees": set()}
+  raise CorruptOutput("names a path outside the workdir")
+
+
+def _manifest(root: str, *, overwrite: bool = False) -> dict[str, set[str]]:
+  """What the manifest records: ``files`` and ``trees``, verified. A damaged
+  one is refused, or with ``overwrite`` deleted (a link as a link, with a
+  warning) and taken as empty: what it names is never deleted."""
+  path = os.path.join(root, MANIFEST)
+  try:
+    recorded = _read_manifest(path)
+  except CorruptOutput as why:
+    if not overwrite:
+      raise CorruptOutput(
+          f"{path!r}, the record of what the driver wrote in this workdir "
+          f"(what --overwrite deletes), is damaged: it {why}. Rerun with "
+          f"--overwrite to start afresh: it then deletes only "
+          f"{' and '.join(_FIXED)}, and keeps every other file (delete what "
+          "you no longer want by hand); or use another --workdir.") from None
+    os.remove(path)
+    logging.warning("--overwrite: deleted the damaged %s (it %s); what it "
+                    "listed stays in %s.", MANIFEST, why, root)
+    recorded = None
+  return recorded or {"files": set(), "trees": set()}
 
 
 @contextlib.contextmanager
@@ -625,6 +654,33 @@ def _delete_outputs(root: str, recorded: dict[str, set[str]]) -> list[str]:
   return deleted
 
 
+def _changed(found: dict, wanted: dict) -> list[str]:
+  """The fields of two canonical configs that differ, sorted."""
+  return sorted(k for k in set(found) | set(wanted)
+                if found.get(k) != wanted.get(k))
+
+
+def check_other_workdir(root: str, config: ml_collections.ConfigDict, *,
+                        remedy: str) -> None:
+  """Refuses, before a driver claims its own workdir, a workdir another step
+  of it will claim (decompile's train workdir) that holds another config:
+  the refusal then leaves nothing behind, so ``remedy`` (the sentence that
+  ends the message, naming what to change) leads to a run.
+
+  Raises:
+    WorkdirInUse: ``root/config.json`` is of another config.
+  """
+  try:
+    found = read_json(os.path.join(root, "config.json"))
+  except CorruptOutput:
+    return  # the claim there refuses it, by name
+  if isinstance(found, dict) and canonical(found) != config_dict(config):
+    raise WorkdirInUse(
+        f"workdir {root!r} holds results of a different config (fields that "
+        f"differ: {', '.join(_changed(canonical(found), config_dict(config)))}"
+        f"); {remedy}")
+
+
 def _check_config_json(root: str, wanted: dict, overwrite: bool,
                        recorded: dict[str, set[str]]) -> None:
   """Refuses a workdir of another config, or with outputs but no config."""
@@ -648,10 +704,8 @@ def _check_config_json(root: str, wanted: dict, overwrite: bool,
   if found is None:
     why = "outputs but no config.json to say which config made them"
   else:
-    changed = sorted(k for k in set(found) | set(wanted)
-                     if found.get(k) != wanted.get(k))
     why = ("results of a different config (fields that differ: "
-           f"{', '.join(changed)})")
+           f"{', '.join(_changed(found, wanted))})")
   raise WorkdirInUse(f"workdir {root!r} holds {why}. Use another --workdir, "
                      "or pass --overwrite to replace them.")
 
@@ -753,14 +807,22 @@ def float_dtype_enabled(dtype: str) -> Iterator[Any]:
     yield jnp.dtype(dtype)
 
 
+class UnknownVariant(ValueError):
+  """A config file's ``get_config(arg)`` got an ``arg`` it does not know."""
+
+
 def variant(driver: str, arg: str | None, known: Sequence[str]) -> str | None:
-  """``arg`` of ``get_config(arg)`` (``None`` or ``""``: the default), checked."""
+  """``arg`` of ``get_config(arg)`` (``None`` or ``""``: the default), checked.
+
+  Raises:
+    UnknownVariant: naming ``arg`` and the ``known`` ones.
+  """
   if arg in (None, ""):
     return None
   if arg not in known:
-    raise ValueError(f"{driver} config: unknown argument {arg!r}; known: "
-                     f"{', '.join(repr(k) for k in known)} (or none for the "
-                     "default).")
+    raise UnknownVariant(f"{driver} config: unknown argument {arg!r}; "
+                         f"known: {', '.join(repr(k) for k in known)} (or "
+                         "none for the default).")
   return arg
 
 
@@ -799,6 +861,14 @@ def define_flags(config_name: str) -> None:
       return parse(argument)
     except (AttributeError, KeyError) as err:  # absl reports it in one line
       raise flags.IllegalFlagValueError(_no_such_field(err, argument)) from None
+    except flags.IllegalFlagValueError as err:
+      # An unknown variant: ml_collections puts the traceback in the message
+      # (absl recasts it); its last line ends in ours.
+      marker = f"{UnknownVariant.__module__}.{UnknownVariant.__name__}: "
+      if marker not in str(err):
+        raise
+      raise flags.IllegalFlagValueError(
+          str(err).rsplit(marker, 1)[1].strip()) from None
 
   flags.FLAGS[holder.name]._parse = parse_naming_unknown_fields  # pylint: disable=protected-access
   flags.DEFINE_string("workdir", None, "Where config.json, results and figures go.",

@@ -232,6 +232,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   """
   validate(config)
   train_workdir = config.train_workdir or os.path.join(workdir, "train")
+  # Before the claim: a refusal here writes nothing, so the command it asks
+  # for (another train_workdir: another config) is not refused in turn.
+  common.check_other_workdir(
+      train_workdir, config.train, remedy=(
+          "pass another --config.train_workdir (or the train config it holds "
+          f"as --config.train.FIELD), or delete {train_workdir!r} to train "
+          "there afresh; nothing was written."))
   with common.claim_workdir(workdir, config, overwrite=overwrite) as wd:
     done = wd.read_json("results.json")
     if done is not None:

@@ -10,6 +10,11 @@ elsewhere with ``--coordinator_address=HOST:PORT --num_processes=N
 
 The contract every driver keeps through this module:
 
+* **One job.** Before anything else, every process posts its driver, its
+  ``--workdir`` (as given) and its config (canonical) in the key-value store
+  and compares them with every other process's (:func:`agree_on_job`): a
+  process given another config, workdir or driver stops every process with
+  the same line naming what differs, before anything is claimed.
 * **Same decision everywhere, before any wait.** Config validation runs on
   every process and its outcome is exchanged (:func:`agree`) through the
   coordination service's key-value store, not a device collective: a config
@@ -26,6 +31,14 @@ The contract every driver keeps through this module:
   exits with ``<driver>: stopped: process K failed: ...`` instead of waiting
   in a collective for a peer that is gone. Written files are atomic, so the
   same command resumes the run.
+* **Nothing hangs.** A process that has not joined within ``--join_timeout``
+  seconds, or whose heartbeats stop for ``--heartbeat_timeout`` seconds (it
+  died, or process 0, which runs the coordination service, is gone), ends
+  every other process within that time. JAX's coordination client ends a
+  process with a C++ abort then (its Python callback cannot be used: jaxlib
+  cannot convert the status it passes), so each process runs under a small
+  parent (:func:`_supervise`) that turns that abort into the driver's line
+  saying what happened and how to resume.
 * **Sharding.** Work is split over :func:`jax.devices` (every device of every
   process) along a 1-D or 2-D :class:`jax.sharding.Mesh`; host arrays
   (identical on every process) become global arrays through :func:`put`,
@@ -38,9 +51,11 @@ which then do nothing more than the one-process run did.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -85,6 +100,15 @@ def define_flags() -> None:
   flags.DEFINE_integer("process_id", None,
                        "With --distributed: this process's index, 0 to "
                        "num_processes - 1.")
+  flags.DEFINE_integer("join_timeout", 300,
+                       "With --distributed: seconds every process waits for "
+                       "all to join the job; then each that is waiting stops "
+                       "with a line saying so.", lower_bound=1)
+  flags.DEFINE_integer("heartbeat_timeout", 100,
+                       "With --distributed: a process silent this many "
+                       "seconds (dead, or process 0's coordination service "
+                       "gone) stops every other process with a line saying "
+                       "so.", lower_bound=1)
 
 
 def _client():
@@ -155,6 +179,49 @@ def from_process_0(step: str, read: Callable[[], object]):
     _agreed_failure = True
     raise _REFUSALS[kind](f"process 0: {value}")
   return value
+
+
+def _job_fields(job: dict) -> dict:
+  """A job as flat fields: ``driver``, ``workdir`` and ``config.<field>``."""
+  return {"driver": job["driver"], "workdir": job["workdir"],
+          **{f"config.{k}": v for k, v in job["config"].items()}}
+
+
+def agree_on_job(name: str, config: ml_collections.ConfigDict,
+                 workdir: str) -> None:
+  """Every process runs the same driver, workdir and config, or none does.
+
+  Each process posts its job (the driver ``name``, ``workdir`` as given: the
+  same command on every host; the canonical config) and reads every
+  other's, so each compares the same posts and all raise the same refusal.
+  Nothing happens with one process.
+
+  Raises:
+    common.ConfigError: naming the first process whose job differs from
+      process 0's and the fields that differ (their values on both).
+  """
+  client = _client()
+  if client is None:
+    return
+  key = f"elsa/job/{next(_steps)}"
+  mine = {"driver": name, "workdir": workdir,
+          "config": common.config_dict(config)}
+  client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(mine))
+  jobs = [_job_fields(json.loads(client.blocking_key_value_get(
+      f"{key}/{process}", _AGREE_TIMEOUT_MS)))
+          for process in range(jax.process_count())]
+  for process, job in enumerate(jobs[1:], start=1):
+    differ = sorted(k for k in set(job) | set(jobs[0])
+                    if job.get(k) != jobs[0].get(k))
+    if differ:
+      shown = "; ".join(f"{k} ({jobs[0].get(k)!r} on process 0, "
+                        f"{job.get(k)!r} on process {process})"
+                        for k in differ[:3])
+      more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+      raise common.ConfigError(
+          f"the processes were given different jobs: process {process} "
+          f"differs from process 0 in {shown}{more}. Give every process the "
+          "same command (only --process_id differs); nothing was written.")
 
 
 class SharedWorkdir(common.Workdir):
@@ -248,23 +315,95 @@ def _announce_failure(name: str, err: BaseException) -> None:
   os._exit(1)  # pylint: disable=protected-access
 
 
+def _die_with_parent() -> None:
+  """Asks Linux to kill this process when its parent ends (the supervisor,
+  killed as a preempted host is): no orphan keeps the job's devices."""
+  with contextlib.suppress(Exception):
+    # prctl(PR_SET_PDEATHSIG, SIGKILL)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+  if os.getppid() == 1:  # the parent was gone before the request
+    os._exit(1)  # pylint: disable=protected-access
+
+
+def _supervise(name: str) -> int:
+  """Forks; the child returns (a pipe's write end: :func:`run_main` writes
+  to it once the job is joined) and runs the job. The parent only waits and
+  reports how the child ended, then exits the same way.
+
+  JAX's coordination client ends a process with ``abort()`` (a C++ trace)
+  when the job did not form within ``initialization_timeout``, when the
+  service reports a peer without heartbeats, or when the service (process 0)
+  is gone. The parent turns that into the driver's one line.
+  """
+  joined_read, joined_write = os.pipe()
+  child = os.fork()
+  if child == 0:
+    os.close(joined_read)
+    _die_with_parent()
+    return joined_write
+  os.close(joined_write)
+  # Ctrl-C reaches the child as well (one process group); a scheduler's
+  # SIGTERM sent to this process alone is passed on.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, lambda signum, _: os.kill(child, signum))
+  _, status = os.waitpid(child, 0)
+  joined = bool(os.read(joined_read, 1))
+  if os.WIFEXITED(status):
+    os._exit(os.WEXITSTATUS(status))  # pylint: disable=protected-access
+  killed_by = os.WTERMSIG(status)
+  if killed_by != signal.SIGABRT:  # killed from outside: end the same way
+    with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler
+      signal.signal(killed_by, signal.SIG_DFL)
+    os.kill(os.getpid(), killed_by)
+    os._exit(128 + killed_by)  # pylint: disable=protected-access
+  me = flags.FLAGS.process_id
+  who = "this process" if me is None else f"process {me}"
+  if not joined:
+    what = (f"not every process joined the job within --join_timeout="
+            f"{flags.FLAGS.join_timeout} s. Start all "
+            f"{flags.FLAGS.num_processes or 'of its'} processes with the same "
+            "--coordinator_address and --num_processes, each with its own "
+            "--process_id (or through the scheduler)")
+  else:
+    what = (f"{who} lost the job: another process died or sent no heartbeat "
+            f"for --heartbeat_timeout={flags.FLAGS.heartbeat_timeout} s, or "
+            "process 0, which runs the coordination service, is gone (the "
+            "lines above name it). Once every process can run, start them all")
+  print(f"{name}: stopped: {what}; the same command then resumes the run "
+        "from the files in --workdir.", file=sys.stderr, flush=True)
+  os._exit(1)  # pylint: disable=protected-access
+
+
 def run_main(argv, name: str, run, **kwargs):
   """:func:`experiments.common.run_main`, first initialising ``jax.distributed``
-  under ``--distributed``; then a failure on one process stops every process
-  promptly (an agreed refusal ends each with its one-line message)."""
+  under ``--distributed`` (every process then agrees on the job,
+  :func:`agree_on_job`); then a failure on one process stops every process
+  promptly (an agreed refusal ends each with its one-line message), and a
+  process that never joins or dies is reported by the others in bounded time
+  (``--join_timeout``, ``--heartbeat_timeout``)."""
   global _agreed_failure
   if not flags.FLAGS.distributed:
     return common.run_main(argv, name, run, **kwargs)
+  joined = _supervise(name)
   jax.distributed.initialize(
       coordinator_address=flags.FLAGS.coordinator_address,
       num_processes=flags.FLAGS.num_processes,
-      process_id=flags.FLAGS.process_id)
+      process_id=flags.FLAGS.process_id,
+      initialization_timeout=flags.FLAGS.join_timeout,
+      heartbeat_timeout_seconds=flags.FLAGS.heartbeat_timeout)
+  os.write(joined, b"j")
+  os.close(joined)
   logging.info("%s: process %d of %d, %d local of %d devices", name,
                jax.process_index(), jax.process_count(),
                jax.local_device_count(), jax.device_count())
   _watch_for_failures(name)
   _agreed_failure = False
   try:
+    try:
+      agree_on_job(name, flags.FLAGS.config, flags.FLAGS.workdir)
+    except common.ConfigError as refusal:
+      _agreed_failure = True
+      raise SystemExit(f"{name}: {refusal}") from None
     return common.run_main(argv, name, run, **kwargs)
   except BaseException as err:  # pylint: disable=broad-except
     if _agreed_failure or (isinstance(err, SystemExit) and not err.code):

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import logging as std_logging
 import math
 import os
@@ -262,7 +263,20 @@ def _learning_rate(config, peaks: np.ndarray, step: int) -> np.ndarray:
 
 
 def _point_tag(name: str, depth: int, lr: float, scale: float) -> str:
-  return f"{name}/L{depth}/lr_{lr:g}_init_scale_{scale:g}"
+  # TensorBoard's tags have no "+" ("1e+30" is renamed, with a log line per
+  # step): exponents as "1e30".
+  return (f"{name}/L{depth}/lr_{lr:g}_init_scale_{scale:g}").replace("+", "")
+
+
+def _track_steps(config, tracker: tracking.Tracker, tags: list[str],
+                 peaks: np.ndarray, losses: np.ndarray, begin: int,
+                 end: int) -> None:
+  """Every grid point's loss and learning rate at steps ``begin..end-1``."""
+  for i in range(begin, end):
+    tracker.scalars(i, {f"train/{tag}/loss": loss
+                        for tag, loss in zip(tags, losses[:, i])})
+    tracker.scalars(i, {f"train/{tag}/learning_rate": rate for tag, rate in
+                        zip(tags, _learning_rate(config, peaks, i))})
 
 
 def _init(config, *, name: str, depth: int, init_scale: float, dtype):
@@ -302,39 +316,83 @@ def _optimizer(*, learning_rate: float, steps: int, warmup_steps: int,
                             end_fraction=end_fraction, clip_norm=clip_norm)
 
 
-def _checkpointed(wd: common.Workdir, state, losses) -> dict[str, np.ndarray]:
-  """What a checkpoint holds: the state's leaves and the losses, tied to the
-  config like every output (:meth:`experiments.common.Workdir.seal`)."""
+def _identity(config, *, name: str, depth: int, step: int) -> dict:
+  """What a checkpoint is: the model, its depth, the grid's points (in their
+  order) and the step; sealed in with the config's hash."""
+  return common.canonical({"model": name, "depth": depth,
+                           "grid": grid(config), "step": step})
+
+
+def _checkpointed(wd: common.Workdir, state, losses, identity: dict
+                  ) -> dict[str, np.ndarray]:
+  """What a checkpoint holds: the state's leaves, the losses and its
+  ``identity`` (JSON as uint8), sealed like every output: the config's hash
+  and a checksum of all of it (:meth:`experiments.common.Workdir.seal`)."""
   leaves = jax.tree.leaves(state)
-  return wd.seal({"losses": losses,
+  return wd.seal({"losses": losses, "identity": np.frombuffer(
+      json.dumps(identity, sort_keys=True).encode(), np.uint8),
                   **{f"state{i}": leaf for i, leaf in enumerate(leaves)}})
 
 
-def _restore(manager, wd: common.Workdir, folder: str, state, losses):
+def _describe(identity: dict) -> str:
+  return (f"{identity.get('model')} at depth {identity.get('depth')}, step "
+          f"{identity.get('step')}, grid {identity.get('grid')}")
+
+
+def _restore(config, manager, wd: common.Workdir, folder: str, state, losses,
+             *, name: str, depth: int, remedy: str | None = None):
   """``(step, state, losses)`` of the last checkpoint in ``folder``, verified
-  as this config's, or ``(None, state, losses)`` when there is none.
+  as this config's ``name`` at ``depth`` and as the step it is filed under,
+  or ``(None, state, losses)`` when there is none.
 
   Raises:
-    common.CorruptOutput: it cannot be read, is of another config or was
-      altered; naming it, and ``folder`` as the way out.
+    common.CorruptOutput: it cannot be read, is of another config, another
+      model, depth, grid or step, was altered, or its arrays do not have
+      this model's shapes; naming it and ending with ``remedy`` (default: delete
+      ``folder``).
   """
+  remedy = remedy or common.way_out(folder)
   step = manager.latest_step()
   if step is None:
     return None, state, losses
   path = os.path.join(folder, str(step))
-  target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                        _checkpointed(wd, state, losses))
   try:
-    restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+    # No target: the arrays as saved, checked below (with a target of other
+    # shapes orbax would restore the saved shapes without a word).
+    restored = manager.restore(step, args=ocp.args.StandardRestore())
+    restored = {k: np.asarray(v) for k, v in restored.items()}
   except Exception as err:  # pylint: disable=broad-except
     # orbax, tensorstore and decompression errors alike, in one line.
     first_line = (str(err).strip().splitlines() or [""])[0][:200]
     raise common.CorruptOutput(
         f"{path!r} is not a readable checkpoint ({type(err).__name__}: "
-        f"{first_line}); " + common.way_out(folder)) from None
-  restored = wd.unseal(path, restored, remedy=folder)
-  leaves = [jnp.asarray(restored[f"state{i}"])
-            for i in range(len(jax.tree.leaves(state)))]
+        f"{first_line}); " + remedy) from None
+  restored = wd.unseal(path, restored, remedy=remedy)
+  wanted = _identity(config, name=name, depth=depth, step=step)
+  try:
+    found = json.loads(bytes(restored.pop("identity")).decode())
+  except (KeyError, ValueError, UnicodeDecodeError):
+    found = None
+  if found != wanted:
+    what = ("no record of which model, depth and step it holds (an older "
+            "version wrote it)" if not isinstance(found, dict) else
+            f"{_describe(found)}")
+    raise common.CorruptOutput(
+        f"{path!r} holds {what}, not {_describe(wanted)}: it was copied or "
+        "renamed; " + remedy)
+  leaves = jax.tree.leaves(state)
+  like = lambda a, b: np.shape(a) == np.shape(b)
+  if (set(restored) != {"losses", *(f"state{i}" for i in range(len(leaves)))}
+      or not like(restored["losses"], losses)
+      or not all(like(restored[f"state{i}"], leaf)
+                 for i, leaf in enumerate(leaves))):
+    raise common.CorruptOutput(
+        f"{path!r} does not hold the arrays of {_describe(wanted)} (other "
+        "shapes); " + remedy)
+  # In the dtypes of this process's state (with jax_enable_x64 on, as in
+  # decompile, the grid's learning rates are float64; the run saved float32).
+  leaves = [jnp.asarray(restored[f"state{i}"], np.asarray(leaf).dtype)
+            for i, leaf in enumerate(leaves)]
   return (step, jax.tree.unflatten(jax.tree.structure(state), leaves),
           restored["losses"])
 
@@ -362,26 +420,34 @@ def load_trained(config, workdir: str, *, name: str, depth: int
                  ) -> training.Split:
   """``name`` at ``depth`` as a finished train run in ``workdir`` left it:
   the split with parameters stacked over the grid, from its last checkpoint,
-  verified as this config's. Reads only.
+  verified as this config's ``name`` at ``depth`` and step ``config.steps``.
+  Reads only.
 
   Raises:
-    common.CorruptOutput: the checkpoint is missing, unfinished, damaged or
-      of another config.
+    common.CorruptOutput: the checkpoint is missing, unfinished, damaged,
+      of another config, or another model, depth or step. Its way out
+      deletes the model's folder and the run's ``results.json``: the train
+      command (decompile runs it first) then trains that model again, and
+      only that one, and evaluates anew.
   """
   split, _, state, losses = _untrained(config, name=name, depth=depth)
   wd = common.Workdir(workdir, config)
   folder = wd.path(_checkpoints(name, depth))
+  remedy = (f"delete {folder!r} and {wd.path('results.json')!r}, then rerun: "
+            f"train trains {name} at depth {depth} again (the other models "
+            "are loaded from their checkpoints) and evaluates anew.")
   if not os.path.isdir(folder):
     raise common.CorruptOutput(f"{folder!r} is missing: {workdir!r} holds no "
-                               f"trained {name} at depth {depth}.")
+                               f"trained {name} at depth {depth}; " + remedy)
   with ocp.CheckpointManager(os.path.abspath(folder),
                              options=ocp.CheckpointManagerOptions(
                                  create=False, read_only=True)) as manager:
-    step, state, _ = _restore(manager, wd, folder, state, losses)
+    step, state, _ = _restore(config, manager, wd, folder, state, losses,
+                              name=name, depth=depth, remedy=remedy)
   if step != config.steps:
     raise common.CorruptOutput(
         f"{folder!r} holds step {step}, not the run's last ({config.steps}); "
-        "finish the train run first (rerun its command).")
+        + remedy)
   return split._replace(params=state.params)
 
 
@@ -393,7 +459,8 @@ def train_one(config, *, name: str, depth: int, wd: common.Workdir,
   ``mesh``: axes ``("grid", "batch")`` over every device (:func:`layout`).
   Process 0 alone checkpoints (every ``checkpoint_every`` steps) and
   restores; the others take its restored state. Every step's loss and
-  learning rate of every grid point go to ``tracker``.
+  learning rate of every grid point go to ``tracker``'s sub-tracker
+  ``<name>_L<depth>``, rewritten whole: the restored steps too.
 
   Returns:
     the split with parameters stacked over the ``G`` grid points, the losses
@@ -412,7 +479,8 @@ def train_one(config, *, name: str, depth: int, wd: common.Workdir,
             max_to_keep=config.keep_checkpoints, create=False,
             multiprocessing_options=ocp.options.MultiprocessingOptions(
                 primary_host=0, active_processes={0})))
-    start, state, losses = _restore(manager, wd, folder, state, losses)
+    start, state, losses = _restore(config, manager, wd, folder, state,
+                                    losses, name=name, depth=depth)
   if start is not None:
     logging.info("%s: resumed at step %d", folder, start)
   if jax.process_count() > 1:
@@ -430,8 +498,12 @@ def train_one(config, *, name: str, depth: int, wd: common.Workdir,
       lambda a: np.reshape(a, (groups, -1, *np.shape(a)[1:])), state))
   key = jax.random.fold_in(jax.random.key(config.seed), 10_000 + depth)
   key_data, rest = on_mesh((jax.random.key_data(key), split.rest))
-  tags = [_point_tag(name, depth, lr, scale) for lr, scale in points]
-  peaks = np.asarray([lr for lr, _ in points])
+  point_tracker = tracker.sub(f"{name}_L{depth}")
+  track = functools.partial(
+      _track_steps, config, point_tracker,
+      [_point_tag(name, depth, lr, scale) for lr, scale in points],
+      np.asarray([lr for lr, _ in points]))
+  track(losses, 0, start or 0)  # the restored steps: each step's events once
   step = start or 0
   timed_steps, timed_seconds = 0, 0.0
   while step < config.steps:
@@ -444,21 +516,19 @@ def train_one(config, *, name: str, depth: int, wd: common.Workdir,
     if step > (start or 0):  # the first chunk of a process compiles
       timed_steps += chunk
       timed_seconds += time.perf_counter() - tic
-    for i in range(step, step + chunk):
-      tracker.scalars(i, {f"train/{tag}/loss": loss
-                          for tag, loss in zip(tags, losses[:, i])})
-      tracker.scalars(i, {f"train/{tag}/learning_rate": rate for tag, rate in
-                          zip(tags, _learning_rate(config, peaks, i))})
+    track(losses, step, step + chunk)
     step += chunk
     state = jax.tree.map(lambda a: np.reshape(a, (-1, *np.shape(a)[2:])),
                          distributed.to_host(grouped))
     if manager is not None:
-      manager.save(step, args=ocp.args.StandardSave(
-          _checkpointed(wd, state, losses)))
+      manager.save(step, args=ocp.args.StandardSave(_checkpointed(
+          wd, state, losses, _identity(config, name=name, depth=depth,
+                                       step=step))))
     progress.update(chunk * len(points))
   if manager is not None:
     manager.wait_until_finished()
     manager.close()
+  point_tracker.close()
   for (lr, scale), point_losses in zip(points, losses):
     if not np.isfinite(point_losses).all():
       logging.warning("%s: lr=%g init_scale=%g DIVERGED (non-finite loss from "
@@ -723,8 +793,10 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir, mesh,
   _write_figures(results, wd)
   wd.write_json("results.json", results)
   for i, depth in enumerate(config.depths):
-    logging.info("L=%d: " + ", ".join(f"{k} %.4g" for k in results["test_loss"]),
-                 depth, *(v[i] for v in results["test_loss"].values()))
+    # A model whose whole grid diverged has no test loss (None).
+    logging.info("L=%d: %s", depth, ", ".join(
+        f"{name} {'diverged' if losses[i] is None else f'{losses[i]:.4g}'}"
+        for name, losses in results["test_loss"].items()))
   return results
 
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,7 +73,8 @@ def run_single(driver: str, args: list[str], *, devices: int = 1,
 
 def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
            processes: int = 2, devices: int = 2, timeout: float = 120,
-           slurm: bool = False,
+           slurm: bool = False, start: Sequence[int] | None = None,
+           cwd: Callable[[int], str] | None = None,
            kill_when: tuple[int, Callable[[], bool]] | None = None
            ) -> list[Finished]:
   """Runs ``driver`` with ``--distributed`` as ``processes`` processes; waits for all.
@@ -85,15 +86,20 @@ def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
     timeout: seconds for the whole job; then every process is killed.
     slurm: launch as ``srun`` would (SLURM_* environment, no coordinator
       flags) instead of with the coordinator flags.
+    cwd: each process's working folder, a function of the process id
+      (default the repo root).
+    start: the process ids to start (default all): the others never join,
+      as a host the scheduler never started; they are reported as killed.
     kill_when: ``(process_id, condition)``: kill that process (SIGKILL) as
       soon as ``condition()`` holds, as a preempted host dies.
 
   Returns:
-    One :class:`Finished` per process, by process id.
+    One :class:`Finished` per process started, by process id.
   """
   port = free_port()
   procs, logs = [], []
-  for pid in range(processes):
+  started = range(processes) if start is None else start
+  for pid in started:
     env = environment(devices)
     cmd = [sys.executable, "-m", f"experiments.{driver}",
            *(args(pid) if callable(args) else args), "--distributed"]
@@ -108,7 +114,8 @@ def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
     out = tempfile.TemporaryFile("w+")
     err = tempfile.TemporaryFile("w+")
     logs.append((out, err))
-    procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out,
+    procs.append(subprocess.Popen(cmd, cwd=cwd(pid) if cwd else REPO,
+                                  env=env, stdout=out,
                                   stderr=err, text=True))
   deadline = time.monotonic() + timeout
   killed = set()
@@ -134,10 +141,10 @@ def launch(driver: str, args: list[str] | Callable[[int], list[str]], *,
         killed.add(i)
       p.wait()
   finished = []
-  for i, (p, (out, err)) in enumerate(zip(procs, logs)):
+  for position, (i, p, (out, err)) in enumerate(zip(started, procs, logs)):
     out.seek(0)
     err.seek(0)
-    finished.append(Finished(i, None if i in killed else p.returncode,
+    finished.append(Finished(i, None if position in killed else p.returncode,
                              out.read(), err.read()))
     out.close()
     err.close()

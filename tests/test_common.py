@@ -320,7 +320,9 @@ def _figure():
 
 
 def _manifest(workdir, names):
-  common.write_json(os.path.join(workdir, common.MANIFEST), names)
+  """A manifest as the driver writes it (with its checksum), recording
+  ``names`` as files."""
+  common._write_manifest(workdir, {"files": set(names), "trees": set()})  # pylint: disable=protected-access
 
 
 def test_overwrite_never_follows_a_symlink_out_of_the_workdir(tmp_path):
@@ -341,7 +343,7 @@ def test_overwrite_never_follows_a_symlink_out_of_the_workdir(tmp_path):
   os.symlink(elsewhere / "precious", os.path.join(workdir, "results.json"))
   os.remove(os.path.join(workdir, "notes", "a.json"))
   _write(os.path.join(workdir, "notes", "a.json", "mine.txt"))
-  # A list of names: the manifest of earlier versions, still read.
+  # Names the driver recorded, each now behind a link.
   _manifest(workdir, ["results.json", "notes/a.json", "link_out/f.txt",
                       "link_out/a/g.txt"])
   with common.claim_workdir(workdir, _config(), overwrite=True):
@@ -472,13 +474,70 @@ def test_an_unusable_workdir_is_reported_in_one_line(tmp_path):
     assert "\n" not in str(err.value) and "--workdir" in str(err.value)
 
 
-def test_an_unknown_config_field_is_reported_in_one_line(tmp_path):
+@pytest.mark.parametrize("flag, named, listed", [
+    ("--config.bogus_field=1", "bogus_field", "kappas"),  # the fields there are
+    ("--config=experiments/configs/newton.py:nosuchvariant", "'nosuchvariant'",
+     "known: 'tiny' (or none for the default)")])
+def test_an_unknown_config_field_is_reported_in_one_line(tmp_path, flag,
+                                                         named, listed):
+  """An unknown field, or an unknown variant of the config file."""
   proc = subprocess.run(
-      [sys.executable, "-m", "experiments.newton", "--config.bogus_field=1",
+      [sys.executable, "-m", "experiments.newton", flag,
        f"--workdir={tmp_path / 'run'}"], cwd=REPO, capture_output=True,
       text=True, timeout=120, check=False)
   assert proc.returncode != 0
   assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-  (line,) = [l for l in proc.stderr.splitlines() if "bogus_field" in l]
-  assert "kappas" in line  # the fields there are
+  (line,) = [l for l in proc.stderr.splitlines() if named in l]
+  assert listed in line
   assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("tamper", ["edited", "symlink", "older_list"])
+def test_overwrite_never_deletes_what_a_tampered_manifest_names(tmp_path,
+                                                                tamper):
+  """OW9b: the manifest carries a checksum and is not read through a link. An
+  edited manifest (valid JSON naming a user's file and folder), one replaced
+  by a symlink to such a list, or an unchecked list of names is refused by
+  name; the way out it gives (--overwrite) deletes only config.json and
+  results.json, and the next plain run resumes."""
+  workdir = str(tmp_path / "run")
+  with common.claim_workdir(workdir, _config()) as wd:
+    wd.write_json("results.json", {"a": 1})
+    wd.write_json("partial.json", {"b": 1})
+  mine = [os.path.join(workdir, "notes.txt"),
+          os.path.join(workdir, "data", "x.csv")]
+  for path in mine:
+    _write(path)
+  names = {"files": ["notes.txt", "partial.json"], "trees": ["data"]}
+  path = os.path.join(workdir, common.MANIFEST)
+  if tamper == "edited":
+    with open(path, encoding="utf-8") as f:
+      stored = json.load(f)
+    common.write_json(path, {**names, "_check": stored["_check"]})
+    why = "fails its checksum"
+  elif tamper == "symlink":
+    target = tmp_path / "list.json"
+    common._write_manifest(  # pylint: disable=protected-access
+        str(tmp_path), {k: set(v) for k, v in names.items()})
+    os.replace(tmp_path / common.MANIFEST, target)
+    os.remove(path)
+    os.symlink(target, path)
+    why = "is a symlink"
+  else:
+    common.write_json(path, names["files"])
+    why = "fails its checksum"
+  with pytest.raises(common.CorruptOutput, match=(
+      f"outputs.json', the record .* is damaged: it {why}.*Rerun with "
+      "--overwrite")):
+    with common.claim_workdir(workdir, _config()):
+      pass
+  with common.claim_workdir(workdir, _config(), overwrite=True) as wd:
+    assert wd.read_json("results.json") is None
+  for kept in [*mine, os.path.join(workdir, "partial.json")]:
+    assert os.path.exists(kept), kept
+  if tamper == "symlink":
+    assert os.path.exists(target) and not os.path.lexists(path)
+  with common.claim_workdir(workdir, _config()) as wd:
+    wd.write_json("results.json", {"a": 2})
+  with common.claim_workdir(workdir, _config()) as wd:
+    assert wd.read_json("results.json") == {"a": 2}

@@ -65,7 +65,8 @@ def test_sweep_refused_config_ends_every_process_with_one_line(tmp_path):
 
 def test_sweep_killed_process_stops_the_job_and_the_same_command_resumes(
     tmp_path):
-  """Process 1 killed after the first chunk file: the job stops, the workdir
+  """Process 1 killed after the first chunk file: process 0 stops after
+  --heartbeat_timeout with the driver's line, the workdir
   holds only whole files and resumes with the same command, every file
   written once. A process that fails (here: it cannot see process 0's files)
   stops the others at once with its reason. The resuming job is launched
@@ -75,9 +76,15 @@ def test_sweep_killed_process_stops_the_job_and_the_same_command_resumes(
   args = [*SWEEP, f"--workdir={workdir}"]
   chunks = lambda: sorted(n for n in os.listdir(workdir)
                           if n.endswith(".npz")) if os.path.isdir(workdir) else []
-  finished = multiprocess.launch("sweep", args, timeout=150,
+  finished = multiprocess.launch("sweep", [*args, "--heartbeat_timeout=6"],
+                                 timeout=150,
                                  kill_when=(1, lambda: bool(chunks())))
   assert finished[1].returncode is None, multiprocess.report(finished)
+  # MP4: process 0 ends by itself once process 1's heartbeats stop.
+  assert finished[0].returncode == 1, multiprocess.report(finished)
+  assert finished[0].stderr.strip().splitlines()[-1].startswith(
+      "sweep: stopped: process 0 lost the job: another process died or sent "
+      "no heartbeat for --heartbeat_timeout=6 s"), multiprocess.report(finished)
   assert not os.path.exists(os.path.join(workdir, "results.json"))
   done = {n: os.stat(os.path.join(workdir, n)).st_mtime_ns for n in chunks()}
   assert done and not any(n.startswith(".tmp-") for n in os.listdir(workdir))
@@ -90,10 +97,14 @@ def test_sweep_killed_process_stops_the_job_and_the_same_command_resumes(
   for name in os.listdir(workdir):
     if name.startswith("partial_") and name.endswith(".json"):
       os.remove(os.path.join(workdir, name))
-  elsewhere = str(tmp_path / "elsewhere")
+  # The same command (--workdir=run) run from other folders: process 1's
+  # "run" is not process 0's, as on a host without the shared filesystem.
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
   failed = multiprocess.launch(
-      "sweep", lambda pid: [*SWEEP, f"--workdir={elsewhere if pid else workdir}"],
-      timeout=150)
+      "sweep", [f"--config={multiprocess.REPO}/experiments/configs/sweep.py:"
+                "tiny", *SWEEP[1:], "--workdir=run"], timeout=150,
+      cwd=lambda pid: str(elsewhere if pid else tmp_path))
   assert [f.returncode for f in failed] == [1, 1], multiprocess.report(failed)
   assert "cannot see it" in failed[1].stderr
   assert ("sweep: stopped: process 1 failed: FileNotFoundError"
@@ -152,7 +163,9 @@ def test_train_two_processes_equal_one_device(tmp_path):
                                 for f in files if "tfevents" not in f
                                 and not d.endswith("/d"))
   assert listing(multi) == listing(single)
-  assert len(os.listdir(os.path.join(multi, "tensorboard"))) == 2  # + hparams
+  # The evaluation events, hparams/ and the one model-depth run.
+  assert sorted(n for n in os.listdir(os.path.join(multi, "tensorboard"))
+                if "tfevents" not in n) == ["hparams", "lsa_trained_L2"]
 
 
 def _assert_close_tree(got, want, *, rtol: float, atol: float,
@@ -210,6 +223,71 @@ def test_newton_two_processes_equal_one_device(tmp_path):
                                       devices=4)])
   _assert_close_tree(_read(multi), _read(single), rtol=1e-5, atol=1e-6)
   assert sorted(os.listdir(multi)) == sorted(os.listdir(single))
+
+
+@pytest.mark.parametrize("driver, other, named", [
+    ("sweep", "--config.seed=1", "config.seed (0 on process 0, 1 on process "
+     "1)"),
+    ("train", "--config.n_test=4", "config.n_test (256 on process 0, 4 on "
+     "process 1)")], ids=["sweep", "train"])
+def test_processes_given_different_jobs_stop_before_the_claim(
+    tmp_path, driver, other, named):
+  """MP1: process 1 given another config field and another workdir: both
+  stop with the same one line naming the fields and both values, before
+  anything is written (they end before anything compiles)."""
+  workdirs = [str(tmp_path / "one"), str(tmp_path / "two")]
+  finished = multiprocess.launch(driver, lambda pid: [
+      f"--config=experiments/configs/{driver}.py:tiny",
+      f"--workdir={workdirs[pid]}", *([other] if pid else [])], timeout=60)
+  line = (f"{driver}: the processes were given different jobs: process 1 "
+          f"differs from process 0 in {named}; workdir ({workdirs[0]!r} on "
+          f"process 0, {workdirs[1]!r} on process 1). Give every process the "
+          "same command (only --process_id differs); nothing was written.")
+  for f in finished:
+    assert f.returncode == 1, multiprocess.report(finished)
+    assert f.stderr.strip().splitlines()[-1] == line, (
+        multiprocess.report(finished))
+    assert "Traceback" not in f.stderr
+  assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("driver, started", [("algorithms", 0),
+                                             ("newton", 1)])
+def test_a_process_that_never_joins_is_reported_in_bounded_time(
+    tmp_path, driver, started):
+  """MP4: one process of two is never started (the coordinator's, or the
+  other): the one started ends after --join_timeout with the driver's line
+  saying what happened and how to resume, not after JAX's 5 minutes."""
+  workdir = str(tmp_path / "never")
+  finished = multiprocess.launch(driver, [
+      f"--config=experiments/configs/{driver}.py:tiny", f"--workdir={workdir}",
+      "--join_timeout=5"], start=[started], timeout=60)
+  (f,) = finished
+  assert f.returncode == 1, multiprocess.report(finished)
+  assert f.stderr.strip().splitlines()[-1] == (
+      f"{driver}: stopped: not every process joined the job within "
+      "--join_timeout=5 s. Start all 2 processes with the same "
+      "--coordinator_address and --num_processes, each with its own "
+      "--process_id (or through the scheduler); the same command then "
+      "resumes the run from the files in --workdir."), (
+          multiprocess.report(finished))
+  assert not os.path.exists(workdir)
+
+
+def test_process_0_killed_is_reported_by_the_others(tmp_path):
+  """MP5: process 0 (which runs the coordination service) killed once the
+  workdir is claimed: process 1 ends at once with the driver's line."""
+  workdir = str(tmp_path / "run")
+  finished = multiprocess.launch(
+      "train", [*TRAIN, f"--workdir={workdir}", "--heartbeat_timeout=5"],
+      timeout=60, kill_when=(0, lambda: os.path.exists(
+          os.path.join(workdir, "config.json"))))
+  assert finished[0].returncode is None, multiprocess.report(finished)
+  assert finished[1].returncode == 1, multiprocess.report(finished)
+  assert finished[1].stderr.strip().splitlines()[-1].startswith(
+      "train: stopped: process 1 lost the job: another process died or sent "
+      "no heartbeat for --heartbeat_timeout=5 s, or process 0, which runs the "
+      "coordination service, is gone"), multiprocess.report(finished)
 
 
 class _FakeStore:

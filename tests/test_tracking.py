@@ -5,6 +5,8 @@ import os
 import struct
 
 import numpy as np
+import orbax.checkpoint as ocp
+import pytest
 from tensorboardX.proto import event_pb2
 from tensorboardX.proto import plugin_hparams_pb2
 
@@ -29,15 +31,22 @@ def _events(folder: str) -> list:
 
 
 def _scalars(events) -> dict[str, dict[int, float]]:
+  """``{tag: {step: value}}``; every (tag, step) must be written once."""
   found = {}
   for event in events:
     for value in event.summary.value:
       if value.HasField("simple_value"):
-        found.setdefault(value.tag, {})[event.step] = value.simple_value
+        steps = found.setdefault(value.tag, {})
+        assert event.step not in steps, (value.tag, event.step)
+        steps[event.step] = value.simple_value
   return found
 
 
-def test_train_writes_losses_learning_rate_and_hparams(tmp_path):
+def test_train_writes_losses_learning_rate_and_hparams(tmp_path,
+                                                       monkeypatch):
+  """Killed as step 20's checkpoint is saved (steps 10-19 tracked, their
+  checkpoint lost, the event file ending in a truncated record), then
+  resumed from step 10: the events hold every step once (TB2/TB3)."""
   config = train_config.get_config("tiny")
   config.models = ("lsa_trained",)
   config.depths = (1,)
@@ -46,6 +55,22 @@ def test_train_writes_losses_learning_rate_and_hparams(tmp_path):
   config.n_test, config.eval_chunk, config.eta_grid = 32, 32, 5
   del config.shifts["x_laplace"]
   workdir = str(tmp_path)
+  save = ocp.CheckpointManager.save
+
+  def killed_at_20(self, step, *args, **kwargs):
+    if step == 20:
+      raise KeyboardInterrupt
+    return save(self, step, *args, **kwargs)
+
+  with monkeypatch.context() as patch:
+    patch.setattr(ocp.CheckpointManager, "save", killed_at_20)
+    with pytest.raises(KeyboardInterrupt):
+      train.run(config, workdir)
+  (path,) = glob.glob(os.path.join(workdir, tracking.FOLDER, "*", "events.*"))
+  assert sorted(_scalars(_events(os.path.dirname(path)))[
+      "train/lsa_trained/L1/lr_0.01_init_scale_0.03/loss"]) == list(range(20))
+  with open(path, "ab") as f:
+    f.write(b"\x10\x00\x00")  # a record cut short by the kill
   results = train.run(config, workdir)
   events = _events(os.path.join(workdir, tracking.FOLDER))
   scalars = _scalars(events)

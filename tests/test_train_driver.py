@@ -1,14 +1,19 @@
 """End-to-end test of experiments/train.py on a tiny config: results, tuning, resume, overwrite."""
 
 import os
+import re
 import shutil
 
+from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import common
+from experiments import decompile
 from experiments import train
+from experiments.configs import decompile as decompile_config
 from experiments.configs import train as train_config
 
 MODELS = ("elsa_trained", "lsa_trained", "lsa_residual_trained", "elsa_masked")
@@ -225,7 +230,8 @@ def _train_only(monkeypatch):
   """train.run without the evaluation and figures (the checkpoints are the
   point here)."""
   monkeypatch.setattr(train, "_evaluate_all", lambda config, trained, etas: {
-      "test_loss": {name: [1.0] for name in (*config.models, "gd_best_eta")}})
+      "test_loss": {name: [1.0] * len(config.depths)
+                    for name in (*config.models, "gd_best_eta")}})
   monkeypatch.setattr(train, "_write_figures", lambda results, wd: None)
 
 
@@ -266,6 +272,64 @@ def test_a_foreign_or_damaged_checkpoint_is_refused_by_name(tmp_path,
   assert _checkpoints(other) == ["10", "20"]
 
 
+def _follow_way_outs(run, expected: list[str]) -> dict:
+  """Calls ``run()`` until it finishes; each refusal must match the next of
+  ``expected`` and name a path to delete, which is deleted (what a user does)
+  before the next call. Returns what the finished run returned."""
+  for pattern in expected:
+    with pytest.raises((common.CorruptOutput, common.WorkdirInUse),
+                       match=pattern) as err:
+      run()
+    message = str(err.value)
+    assert "\n" not in message
+    for path in re.findall(r"delete '([^']+)'(?: and '([^']+)')?", message)[0]:
+      if os.path.isdir(path):
+        shutil.rmtree(path)
+      elif path:
+        os.remove(path)
+  return run()
+
+
+def test_a_checkpoint_under_another_name_is_refused_and_the_way_out_works(
+    tmp_path, monkeypatch):
+  """CK1-CK3: the seal binds the model, depth, grid and step. Another model's
+  checkpoint under this name (CK2), a depth-1 one in the depth-2 folder
+  (CK3, not a vmap error) and step 10's filed as step 20 (CK1) are each
+  refused by name; deleting what the message names and rerunning the same
+  command ends in the run a clean workdir gives."""
+  _train_only(monkeypatch)
+  config = _checkpoint_config(0)
+  config.models = ("lsa_trained", "lsa_residual_trained")
+  config.depths = (1, 2)
+  workdir = str(tmp_path / "run")
+  clean = train.run(config, workdir)
+  os.remove(os.path.join(workdir, "results.json"))
+  folder = lambda name: os.path.join(workdir, "checkpoints", name)
+  step = lambda name, i: os.path.join(folder(name), str(i))
+
+  def put(source: str, target: str) -> None:
+    shutil.rmtree(target)
+    shutil.copytree(source, target)
+
+  shutil.copytree(step("lsa_trained_L1", 20), tmp_path / "depth1")
+  put(step("lsa_residual_trained_L1", 20), step("lsa_trained_L1", 20))
+  put(tmp_path / "depth1", step("lsa_trained_L2", 20))
+  put(step("lsa_residual_trained_L2", 10), step("lsa_residual_trained_L2", 20))
+  way_out = lambda name: (f"it was copied or renamed; delete "
+                          f"'{re.escape(folder(name))}' \\(or rerun with "
+                          "--overwrite")
+  resumed = _follow_way_outs(lambda: train.run(config, workdir), [
+      "lsa_trained_L1/20' holds lsa_residual_trained at depth 1, step 20, .*"
+      "not lsa_trained at depth 1, step 20.*" + way_out("lsa_trained_L1"),
+      "lsa_trained_L2/20' holds lsa_trained at depth 1, step 20.*not "
+      "lsa_trained at depth 2, step 20.*" + way_out("lsa_trained_L2"),
+      "lsa_residual_trained_L2/20' holds lsa_residual_trained at depth 2, "
+      "step 10.*not lsa_residual_trained at depth 2, step 20.*"
+      + way_out("lsa_residual_trained_L2")])
+  assert resumed["train_loss"] == clean["train_loss"]
+  assert resumed["tuning"] == clean["tuning"]
+
+
 @pytest.mark.parametrize("field,value,pattern", [
     ("x_dist", "gaussian", r"config\.x_dist must be one of \['normal', "),
     ("shifts", {"x_laplace": {"x_dist": "laplce"}},
@@ -291,3 +355,89 @@ def test_every_field_is_checked_before_the_workdir_is_claimed(
   with pytest.raises(common.ConfigError, match=pattern) as err:
     train.validate(config)
   assert "\n" not in str(err.value)
+
+
+def _decompile_config(seed: int = 0):
+  """decompile's tiny config around :func:`_checkpoint_config`'s training."""
+  config = decompile_config.get_config("tiny")
+  config.train = _checkpoint_config(seed)
+  return config
+
+
+def _load_only(monkeypatch):
+  """decompile.run with the training of :func:`_train_only` and, in place of
+  the fits, a sum of the loaded model's parameters (the checkpoint is the
+  point here)."""
+  _train_only(monkeypatch)
+  monkeypatch.setattr(decompile, "_one", lambda config, model, depth, *_: {
+      "depth": depth, "weights": float(sum(
+          np.sum(np.asarray(leaf, np.float64))
+          for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))))})
+  monkeypatch.setattr(decompile, "_write_figures", lambda results, wd: None)
+
+
+def test_decompile_way_outs_lead_to_a_finished_run(tmp_path, monkeypatch):
+  """DC7b: a damaged checkpoint of a finished train run is refused by
+  decompile with a way out (delete the model's folder and the train run's
+  results.json) that, followed, retrains the model and finishes, not a
+  circle of "is missing". DC4: a train_workdir of another config is refused
+  before decompile's workdir is claimed (no config.json left behind), and
+  the commands it names (another train_workdir; or deleting it) finish."""
+  _load_only(monkeypatch)
+  workdir = str(tmp_path / "run")
+  config = _decompile_config()
+  results = decompile.run(config, workdir)
+  (first,) = results["models"]["elsa_trained"]
+  assert first["weights"] != 0
+  step = os.path.join(workdir, "train", "checkpoints", "elsa_trained_L1", "20")
+  for parent, _, names in os.walk(step):
+    for name in names:
+      with open(os.path.join(parent, name), "r+b") as f:
+        f.write(bytes(os.path.getsize(os.path.join(parent, name))))
+  for name in ("results.json", "partial_elsa_trained_L1.json"):
+    os.remove(os.path.join(workdir, name))
+  resumed = _follow_way_outs(lambda: decompile.run(config, workdir), [
+      "elsa_trained_L1/20' is not a readable checkpoint.*delete '.*"
+      "elsa_trained_L1' and '.*train/results.json', then rerun: train trains "
+      "elsa_trained at depth 1 again"])
+  assert resumed["models"] == results["models"]  # the same model, retrained
+
+  # DC4: the train workdir holds seed 1's run.
+  other = str(tmp_path / "seed1")
+  decompile.run(_decompile_config(1), str(tmp_path / "by_seed1"))
+  os.rename(str(tmp_path / "by_seed1" / "train"), other)
+  config = _decompile_config()
+  config.train_workdir = other
+  fresh = str(tmp_path / "fresh")
+  with pytest.raises(common.WorkdirInUse, match=(
+      f"workdir '{other}' holds results of a different config \\(fields that "
+      "differ: seed\\); pass another --config.train_workdir .* or delete "
+      f"'{other}' to train there afresh; nothing was written.")):
+    decompile.run(config, fresh)
+  assert not os.path.exists(os.path.join(fresh, "config.json"))
+  config.train_workdir = str(tmp_path / "train0")  # the first way out
+  assert decompile.run(config, fresh)["models"] == results["models"]
+  config.train_workdir = other
+  again = str(tmp_path / "again")
+  _follow_way_outs(lambda: decompile.run(config, again), [
+      "holds results of a different config"])  # the second: delete it
+
+
+def test_a_run_whose_every_grid_point_diverged_is_summarised(
+    tmp_path, monkeypatch, caplog):
+  """CK8: learning rate 1e30: every point diverges; the run finishes and its
+  summary line says so (it was a logging TypeError on None)."""
+  _train_only(monkeypatch)
+  monkeypatch.setattr(train, "_evaluate_all", lambda config, trained, etas: {
+      "test_loss": {**{name: [1.0 if depth in trained[name] else np.nan
+                              for depth in config.depths]
+                       for name in config.models},
+                    "gd_best_eta": [0.5] * len(config.depths)}})
+  config = _checkpoint_config(0)
+  config.learning_rates = (1e30,)
+  with caplog.at_level("INFO"):
+    results = train.run(config, str(tmp_path / "run"))
+  assert results["diverged"] == {"elsa_trained": [True]}
+  assert results["test_loss"]["elsa_trained"] == [None]
+  assert "L=1: elsa_trained diverged, gd_best_eta 0.5" in [
+      record.getMessage() for record in caplog.records]
