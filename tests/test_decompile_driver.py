@@ -3,6 +3,8 @@ depths, a short training), in tmp_path: files, results, resume, skip."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -90,6 +92,34 @@ def test_tiny_run_writes_results_figures_resumes_and_skips(tmp_path,
     seen = _spy(patch)
     assert decompile.run(config, workdir) == results
   assert seen["identify"] == 0
+
+
+def test_the_documented_command_runs_from_a_fresh_workdir(tmp_path):
+  # As a user runs it: a fresh process and workdir, with none of the suite's
+  # settings (conftest enables 64-bit jax globally, which hid a gather index
+  # traced at 32 bits by training and again at 64 by the decompiler, in one
+  # process), nor its XLA flags or compilation cache.
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JAX_", "XLA_"))}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
+  workdir = tmp_path / "run"
+  overrides = {"train.models": "('lsa_residual_trained',)",
+               "train.depths": "(1,)", "train.steps": 40,
+               "train.warmup_steps": 4, "train.log_every": 10,
+               "train.checkpoint_every": 20, "train.n_test": 64,
+               "train.eval_chunk": 64, "families": "('gd',)",
+               "restarts": 1, "adam_steps": 10, "lm_steps": 2}
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.decompile",
+       "--config=experiments/configs/decompile.py:tiny",
+       f"--workdir={workdir}",
+       *(f"--config.{k}={v}" for k, v in overrides.items())],
+      env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(workdir / "results.json", encoding="utf-8") as f:
+    results = json.load(f)
+  [one] = results["models"]["lsa_residual_trained"]
+  assert one["depth"] == 1 and one["fits"][0]["family"] == "gd"
 
 
 @pytest.mark.parametrize("field, value, message", [
