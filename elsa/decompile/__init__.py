@@ -1,0 +1,53 @@
+r"""Which algorithm did a stack compute? The inverse of :func:`elsa.programs.compile`.
+
+A *model* is a jax-traceable callable ``task -> predictions`` on a batch of
+ridge tasks (:class:`elsa.ridge.Task`: ``x [B, N, d]``, ``y [B, N]``,
+``x_query [B, Q, d]``), returning the final query predictions ``[B, Q]`` or
+the prediction after every layer ``[S, B, Q]`` (row 0 the state before the
+first layer, never compared: a trained stack's is its input, a compiled one's
+its set-up). :func:`from_model` and :func:`from_compiled` make models of what
+the library builds.
+
+A *family* (:data:`FAMILIES`) is a parameterised algorithm: a matrix program
+(those of :mod:`elsa.algorithms`, and two written here with a block input or a
+data transform) with free parameters (step sizes, momentum, a schedule, a
+preconditioner, GD++'s data transform), each with its transform (``exp`` for
+the positive ones). Its predictions are those of the reference interpreter
+:func:`elsa.programs.run`, so fitting differentiates through the program
+itself. With ``k`` iterations per layer, model layer ``l`` (row ``l``) is held
+against the family's iterate ``k l`` (or the cumulative counts of a per-layer
+tuple).
+
+:func:`fit` finds the family's parameters that make its predictions match the
+model's at every exposed layer: the pooled relative squared error
+
+.. math::
+  D(\theta) = \frac{\sum_{l, b, q} (f_{lbq}(\theta) - g_{lbq})^2}
+                   {\sum_{l, b, q} g_{lbq}^2},
+
+``f`` the family's, ``g`` the model's predictions, minimised by Adam (optax)
+from ``restarts`` random starts at once (``vmap``), then Levenberg–Marquardt on
+the residuals, jit-compiled once per family and iteration count.
+:func:`identify` fits every family and ranks them on HELD-OUT tasks by
+``D``, reporting for each the squared prediction difference (SPD), the
+implicit linear weight difference (ILWD: ``w`` least-squares fitted to the
+predictions on probe queries, Akyürek et al. 2023), the cosine and relative L2
+distance of the input sensitivities ``d pred / d x_q`` (von Oswald et al.
+2023), each with its standard error over tasks; ``best`` is the simplest family
+(fewest free parameters) within ``tol``, ties and exact equivalences reported.
+:func:`similarity` is Fu et al. (2023)'s layer x iteration cosine map;
+:func:`weight_structure` Ahn et al. (2023)'s distance of the trained blocks
+from a scaled identity.
+"""
+
+from elsa.decompile._analyses import similarity, weight_structure
+from elsa.decompile._families import (FAMILIES, Family, Parameter,
+                                      gd_plus_plus_program,
+                                      preconditioned_gd_program)
+from elsa.decompile._fitting import Fit, Report, fit, identify
+from elsa.decompile._models import Model, from_compiled, from_model
+
+__all__ = ["FAMILIES", "Family", "Fit", "Model", "Parameter", "Report",
+           "fit", "from_compiled", "from_model", "gd_plus_plus_program",
+           "identify", "preconditioned_gd_program", "similarity",
+           "weight_structure"]
