@@ -44,10 +44,11 @@ from elsa.decompile._analyses import similarity, weight_structure
 from elsa.decompile._families import (FAMILIES, Family, Parameter,
                                       gd_plus_plus_program,
                                       preconditioned_gd_program)
-from elsa.decompile._fitting import Fit, Report, fit, identify
+from elsa.decompile._fitting import (EXACT, MAX_STEPS, Closest, Fit, Report,
+                                     fit, identify)
 from elsa.decompile._models import Model, from_compiled, from_model
 
-__all__ = ["FAMILIES", "Family", "Fit", "Model", "Parameter", "Report",
-           "fit", "from_compiled", "from_model", "gd_plus_plus_program",
-           "identify", "preconditioned_gd_program", "similarity",
-           "weight_structure"]
+__all__ = ["EXACT", "FAMILIES", "MAX_STEPS", "Closest", "Family", "Fit",
+           "Model", "Parameter", "Report", "fit", "from_compiled",
+           "from_model", "gd_plus_plus_program", "identify",
+           "preconditioned_gd_program", "similarity", "weight_structure"]

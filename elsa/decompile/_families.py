@@ -124,13 +124,16 @@ class Family:
     """The family's query predictions after iterations ``0..loops``: ``[loops + 1, B, Q]``.
 
     ``values``: the parameters by name (a schedule ``[loops]``); ``lam``: the
-    ridge strength of ``A = X^T X / N + lam I``.
+    ridge strength of ``A = X^T X / N + lam I`` (a family with a ``lam``
+    parameter runs at its own).
     """
     n_train, d = task.x.shape[-2:]
     lam = jnp.asarray(lam, task.x.dtype)
     prog = _program(self, n_train, d, task.x_query.shape[-2])
+    # A family with its own ridge strength (gd_lam) overrides lam.
+    scalars = {"lam": lam, **self.run_args(values, loops)}
     out = programs.run(prog, loops=loops, X=task.x, y=task.y[..., None],
-                       Xq=task.x_query, lam=lam, **self.run_args(values, loops))
+                       Xq=task.x_query, **scalars)
     if self.read == "p":
       return out["p"][-(loops + 1):, ..., 0]
     # The last layer is the read-out, which leaves w as it is.
@@ -218,7 +221,8 @@ def _gd_steps(power: Callable[[int], int]):
 
 def _gd_nestings(values, steps):
   eta = values["eta"]
-  return [{"family": "gd_schedule", "params": {"eta": "constant"}},
+  return [{"family": "gd_lam", "params": {"eta": eta, "lam": "the tasks'"}},
+          {"family": "gd_schedule", "params": {"eta": "constant"}},
           {"family": "heavy_ball", "params": {"eta": eta, "beta": 0.0}},
           {"family": "nesterov", "params": {"eta": eta, "beta": 0.0}},
           {"family": "gd_plus_plus", "params": {"eta": eta, "gamma": 0.0}},
@@ -244,6 +248,10 @@ def _families() -> dict[str, Family]:
   families = [
       Family("gd", "w' = w - eta (A w - b)", (step,), algorithms.ridge_gd,
              gd_args, equivalent=_gd_nestings),
+      Family("gd_lam", "w' = w - eta ((X^T X / N + lam I) w - b), lam fitted",
+             (step, Parameter("lam", unit="eigen", init=(0.01, 1.0))),
+             algorithms.ridge_gd,
+             lambda v, loops: {"eta": v["eta"], "lam": v["lam"]}),
       Family("gd_schedule", "w' = w - eta_t (A w - b)",
              (Parameter("eta", kind="schedule"),), algorithms.ridge_gd,
              gd_args),
@@ -284,4 +292,9 @@ def _families() -> dict[str, Family]:
   return {f.name: f for f in families}
 
 
+# Their order is the order of simplicity that decides exact ties (fits equal
+# to rounding, e.g. every converged solver of the closed-form ridge
+# predictor): plain GD first, then GD with one more freedom (its own ridge
+# strength, a schedule, a preconditioner, a data transform, momentum), then
+# the higher-order methods.
 FAMILIES: dict[str, Family] = _families()

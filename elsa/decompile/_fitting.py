@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -19,6 +20,14 @@ from elsa.attention import Array
 from elsa.decompile._families import FAMILIES, Family
 from elsa.decompile._models import Model
 
+# Counts of optimiser steps above this are refused: a typo (1e12) would run
+# for days.
+MAX_STEPS = 10**6
+# Held-out disagreements at or below this are exact (rounding: float64 stacks
+# give about 1e-30); among exact fits the order of FAMILIES decides.
+EXACT = 1e-20
+
+
 def _check_task(fn: str, name: str, task) -> None:
   if not isinstance(task, ridge.Task):
     raise TypeError(f"{fn}: {name} must be an elsa.ridge.Task, got "
@@ -29,19 +38,89 @@ def _check_task(fn: str, name: str, task) -> None:
     raise ValueError(f"{fn}: {name} must have x [B, N, d], y [B, N], x_query "
                      f"[B, Q, d] (scalar targets); got x {jnp.shape(x)}, y "
                      f"{jnp.shape(y)}, x_query {jnp.shape(xq)}.")
-  _validate.floating(fn, f"{name}.x", x)
+  _validate.float32_or_64(fn, f"{name}.x", x)
+  _validate.same_dtype(fn, f"{name}.y", y, f"{name}.x", x)
+  _validate.same_dtype(fn, f"{name}.x_query", xq, f"{name}.x", x)
+
+
+def _check_pair(fn: str, fit_tasks: ridge.Task, test_tasks: ridge.Task
+                ) -> None:
+  """Fit and test tasks that can be compared; a warning where the comparison
+  means something else than a held-out test of the fit."""
+  _check_task(fn, "fit_tasks", fit_tasks)
+  _check_task(fn, "test_tasks", test_tasks)
+  _validate.same_dtype(fn, "test_tasks.x", test_tasks.x, "fit_tasks.x",
+                       fit_tasks.x)
+  (_, n_fit, d_fit), (_, n_test, d_test) = (fit_tasks.x.shape,
+                                            test_tasks.x.shape)
+  if d_fit != d_test:
+    raise ValueError(f"{fn}: test_tasks have d = {d_test} inputs but fit_tasks "
+                     f"d = {d_fit}; a fitted preconditioner or filter applies "
+                     "to one d only.")
+  q_fit, q_test = fit_tasks.x_query.shape[1], test_tasks.x_query.shape[1]
+  if (n_fit, q_fit) != (n_test, q_test):
+    warnings.warn(f"{fn}: fit_tasks have N = {n_fit}, Q = {q_fit} but "
+                  f"test_tasks N = {n_test}, Q = {q_test}: the held-out "
+                  "disagreement then measures how the description transfers "
+                  "to another context length, not only the fit.", stacklevel=3)
+  elif test_tasks is fit_tasks or all(
+      np.array_equal(np.asarray(a), np.asarray(b))
+      for a, b in zip(fit_tasks, test_tasks)):
+    warnings.warn(f"{fn}: test_tasks are the fit_tasks: nothing is held out, "
+                  "so the disagreement measures the fit, not whether the "
+                  "description generalises; pass other tasks of the same "
+                  "distribution.", stacklevel=3)
+
+
+def _check_optimiser(fn: str, *, lam, restarts, adam_steps, lm_steps) -> None:
+  _validate.at_least(fn, "lam", lam, low=0, strict=False)
+  _validate.int_at_least(fn, "restarts", restarts, low=1)  # memory: below
+  _validate.int_between(fn, "adam_steps", adam_steps, low=0, high=MAX_STEPS)
+  _validate.int_between(fn, "lm_steps", lm_steps, low=0, high=MAX_STEPS)
+
+
+def _check_memory(fn: str, families, task: ridge.Task, layers: int,
+                  loops: int, candidates: int, restarts: int) -> None:
+  """The Levenberg–Marquardt Jacobians of every restart and candidate,
+  ``[restarts, candidates, layers B Q, params]``, must fit in memory."""
+  B, Q = task.x_query.shape[:2]
+  d = task.x.shape[-1]
+  params = max(f.n_params(d=d, loops=loops) for f in families)
+  _validate.fits_memory(fn, _validate.array_bytes(
+      task.x.dtype, (restarts, candidates, layers * B * Q, params + 2)),
+                        {"restarts": restarts, "candidates": candidates,
+                         "fit_tasks.x.shape": tuple(task.x.shape)})
 
 
 def _model_rows(fn: str, model: Model, task: ridge.Task) -> Array:
   """The model's compared predictions ``[S, B, Q]`` (layers 1.., or the final only)."""
   B, Q = task.x_query.shape[:2]
-  shape = jax.eval_shape(model, task).shape
+  out = jax.eval_shape(model, task)
+  shape = out.shape
+  if out.dtype != task.x.dtype:
+    raise TypeError(f"{fn}: the model returns {out.dtype} predictions on "
+                    f"{task.x.dtype} tasks; return the tasks' dtype (cast "
+                    "inside the model, as from_model does).")
   if shape == (B, Q):
     return model(task)[None]
   if len(shape) == 3 and shape[1:] == (B, Q) and shape[0] >= 2:
     return model(task)[1:]
   raise ValueError(f"{fn}: the model must return [B, Q] = {[B, Q]} or [S >= 2, "
                    f"B, Q] predictions, got shape {shape}.")
+
+
+def _finite_rows(fn: str, name: str, rows) -> np.ndarray:
+  """``rows [S, B, Q]`` on the host, ``ValueError`` naming the tasks (axis 1)
+  where the model's predictions are NaN or infinite."""
+  rows = np.asarray(rows)
+  bad = np.flatnonzero(~np.all(np.isfinite(rows), axis=(0, 2)))
+  if bad.size:
+    shown = ", ".join(map(str, bad[:10])) + (", ..." if bad.size > 10 else "")
+    raise ValueError(f"{fn}: the model's predictions on {name} are not finite "
+                     f"(NaN or inf) on {bad.size} of {rows.shape[1]} tasks "
+                     f"(indices {shown}); no family can be compared with "
+                     "them.")
+  return rows
 
 
 def _steps(fn: str, iterations, layers: int) -> tuple[int, ...]:
@@ -51,6 +130,10 @@ def _steps(fn: str, iterations, layers: int) -> tuple[int, ...]:
     per_layer = (_validate.int_at_least(fn, "iterations", iterations, low=1),
                  ) * layers
   else:
+    if isinstance(iterations, (str, bytes)) or not isinstance(iterations,
+                                                              Sequence):
+      raise TypeError(f"{fn}: iterations must be an int or one int per "
+                      f"compared layer ({layers}), got {iterations!r}.")
     per_layer = tuple(_validate.int_at_least(fn, "iterations[i]", k, low=1)
                       for k in iterations)
     if len(per_layer) != layers:
@@ -270,6 +353,7 @@ def _reference(fn: str, model: Model, task: ridge.Task, key: Array
             training.query_sensitivity(final, task),
             jax.vmap(lambda xq: final(task._replace(x_query=xq)))(probes))
   rows, sens, probe_preds = jax.jit(outputs)(task, probes)
+  rows = _finite_rows(fn, "test_tasks", rows)
   return _Reference(task, np.asarray(rows, np.float64),
                     np.asarray(sens, np.float64), probes,
                     _implicit_weights(probes, probe_preds))
@@ -339,32 +423,45 @@ def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
   """``family``'s parameters that reproduce ``model``'s predictions at every compared layer.
 
   Args:
-    model: ``task -> [B, Q]`` or ``[S, B, Q]`` (rows ``1..S-1`` compared).
+    model: ``task -> [B, Q]`` or ``[S, B, Q]`` (rows ``1..S-1`` compared), in
+      the tasks' dtype.
     family: an entry of :data:`FAMILIES`.
-    fit_tasks: the tasks the parameters are fitted on.
+    fit_tasks: the tasks the parameters are fitted on (float32 or float64).
     iterations: the family's iterations per compared layer: an int (the same
       for every layer) or one int per layer; for a final-only model, the
       total.
     test_tasks: the tasks the returned metrics are measured on (default the
-      fit tasks: then nothing is held out).
-    lam: the ridge strength the family runs at.
+      fit tasks: then nothing is held out), of the fit tasks' ``d`` and dtype.
+    lam: the ridge strength the family runs at (``>= 0``).
     key: of the random starts (default ``jax.random.key(0)``).
-    restarts, adam_steps, lm_steps: random starts (vmapped), Adam steps, then
-      Levenberg–Marquardt steps.
+    restarts, adam_steps, lm_steps: random starts (vmapped, ``>= 1``), Adam
+      steps, then Levenberg–Marquardt steps (``>= 0``), each at most
+      :data:`MAX_STEPS`.
 
   Returns:
     the :class:`Fit`, its metrics on ``test_tasks``.
+
+  Raises:
+    TypeError: a wrong type or dtype (tasks not float32/float64 or of two
+      dtypes, predictions of another dtype than the tasks').
+    ValueError: a bad value, tasks of different ``d``, predictions that are
+      not finite (naming the tasks), or a request larger than memory.
   """
   fn = "decompile.fit"
   if not isinstance(family, Family):
     raise TypeError(f"{fn}: family must be a decompile.Family (an entry of "
                     f"FAMILIES), got {type(family).__name__}.")
   _check_task(fn, "fit_tasks", fit_tasks)
+  if test_tasks is not None:
+    _check_pair(fn, fit_tasks, test_tasks)
   test_tasks = fit_tasks if test_tasks is None else test_tasks
-  _check_task(fn, "test_tasks", test_tasks)
+  _check_optimiser(fn, lam=lam, restarts=restarts, adam_steps=adam_steps,
+                   lm_steps=lm_steps)
   key = jax.random.key(0) if key is None else key
   rows = jax.jit(lambda t: _model_rows(fn, model, t))(fit_tasks)
   steps = _steps(fn, iterations, rows.shape[0])
+  _check_memory(fn, [family], fit_tasks, rows.shape[0], steps[-1], 1, restarts)
+  _finite_rows(fn, "fit_tasks", rows)
   ref = _reference(fn, model, test_tasks, jax.random.fold_in(key, 1))
   return _fit_family(family, rows, fit_tasks, [steps], ref, lam=lam, key=key,
                      restarts=restarts, adam_steps=adam_steps,
@@ -372,25 +469,82 @@ def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
 
 
 @dataclasses.dataclass(frozen=True)
+class Closest:
+  """The family nearest the model, whether or not it is within tolerance.
+
+  Attributes:
+    family: the lowest held-out ``D`` (among exact fits, ``D <=``
+      :data:`EXACT`, the simplest: fewest parameters, then the order of
+      :data:`FAMILIES`).
+    disagreement: its ``D``.
+    runner_up: the next family (``None`` if only one was fitted).
+    vs_runner_up: ``D(runner_up) / D(family)``: how many times closer.
+    vs_gd: ``D(gd) / D(family)`` against constant-step GD (``None`` if
+      ``"gd"`` was not fitted; 1 if it is GD).
+  """
+
+  family: str
+  disagreement: float
+  runner_up: str | None
+  vs_runner_up: float | None
+  vs_gd: float | None
+
+
+def _ratio(above: float, below: float) -> float:
+  return float(above / below) if below > 0 else (
+      1.0 if above == below else float("inf"))
+
+
+def _rank(fits: list[Fit]) -> list[Fit]:
+  """By held-out ``D`` (NaN last); exact fits first, simplest first."""
+  order = {name: i for i, name in enumerate(FAMILIES)}
+  def key(f):
+    d = np.nan_to_num(f.disagreement, nan=np.inf)
+    exact = d <= EXACT
+    return (not exact, (f.n_params, order[f.family]) if exact else (d,), d)
+  return sorted(fits, key=key)
+
+
+def _closest(ranked: list[Fit]) -> Closest:
+  first = ranked[0]
+  second = ranked[1] if len(ranked) > 1 else None
+  gd = next((f for f in ranked if f.family == "gd"), None)
+  return Closest(first.family, first.disagreement,
+                 None if second is None else second.family,
+                 None if second is None else _ratio(second.disagreement,
+                                                    first.disagreement),
+                 None if gd is None else _ratio(gd.disagreement,
+                                                first.disagreement))
+
+
+@dataclasses.dataclass(frozen=True)
 class Report:
   """What :func:`identify` found.
 
   Attributes:
-    fits: every family fitted, ranked by held-out disagreement.
-    best: the simplest fit (fewest free parameters, then lowest
-      disagreement) within ``tol``; ``None``: no family within tolerance.
+    fits: every family fitted, ranked by held-out disagreement (exact fits,
+      ``D <=`` :data:`EXACT`, first, in the order of simplicity).
+    best: the simplest fit within ``tol`` (fewest free parameters; then an
+      exact fit in the order of :data:`FAMILIES`; then the lowest
+      disagreement); ``None``: no family within tolerance.
     ties: names of the other fits within ``tol`` with as few parameters.
     tol: the tolerance on the held-out disagreement.
+    closest: always the nearest family (:class:`Closest`), with how many
+      times closer it is than the runner-up and than constant-step GD: what
+      to read when ``best`` is ``None``.
   """
 
   fits: tuple[Fit, ...]
   best: Fit | None
   ties: tuple[str, ...]
   tol: float
+  closest: Closest | None = None
 
   def as_dict(self) -> dict:
     return {"best": None if self.best is None else self.best.family,
             "ties": list(self.ties), "tol": self.tol,
+            "closest": (None if self.closest is None
+                        else dataclasses.asdict(self.closest)),
             "fits": [f.as_dict() for f in self.fits]}
 
 
@@ -403,42 +557,59 @@ def identify(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
 
   Each family is fitted at each candidate of ``iterations`` (an int per
   layer, or a per-layer tuple); the candidate with the lowest fit-task loss is
-  the family's (the smaller on a tie). Ranking and ``best`` use only the
-  held-out tasks.
+  the family's (the smaller on a tie). Ranking, ``best`` and ``closest`` use
+  only the held-out tasks.
 
   Args:
-    model: ``task -> [B, Q]`` or ``[S, B, Q]``.
-    fit_tasks, test_tasks: disjoint task batches.
+    model: ``task -> [B, Q]`` or ``[S, B, Q]``, in the tasks' dtype.
+    fit_tasks, test_tasks: disjoint task batches of one ``d`` and dtype
+      (float32 or float64); the same tasks twice, or tasks of different
+      ``N`` or ``Q``, are warned about.
     families: names in :data:`FAMILIES` (default all).
     tol: the largest held-out disagreement ``D`` that counts as the same
       computation (``D`` is a squared relative error: 1e-3 is ~3% RMS).
-    lam: the ridge strength the families run at.
-    iterations: candidates of the iterations per layer.
+    lam: the ridge strength the families run at (``>= 0``; ``gd_lam`` fits
+      its own).
+    iterations: candidates of the iterations per layer (an int: one
+      candidate).
     key, restarts, adam_steps, lm_steps: as :func:`fit`.
+
+  Raises:
+    TypeError, ValueError: as :func:`fit`.
   """
   fn = "decompile.identify"
-  _check_task(fn, "fit_tasks", fit_tasks)
-  _check_task(fn, "test_tasks", test_tasks)
+  _check_pair(fn, fit_tasks, test_tasks)
   names = list(FAMILIES) if families is None else list(families)
   unknown = sorted(set(names) - set(FAMILIES))
   if unknown or not names:
     raise ValueError(f"{fn}: families must be names of FAMILIES "
                      f"{sorted(FAMILIES)}, got {names}.")
-  if not tol > 0:
-    raise ValueError(f"{fn}: tol must be > 0, got {tol}.")
+  _validate.at_least(fn, "tol", tol, low=0, strict=True)
+  _check_optimiser(fn, lam=lam, restarts=restarts, adam_steps=adam_steps,
+                   lm_steps=lm_steps)
+  if isinstance(iterations, (int, np.integer)) and not isinstance(
+      iterations, bool):
+    iterations = (iterations,)
+  if isinstance(iterations, (str, bytes)) or not isinstance(
+      iterations, Sequence) or not iterations:
+    raise TypeError(f"{fn}: iterations must be an int or a non-empty sequence "
+                    f"of candidates, got {iterations!r}.")
   key = jax.random.key(0) if key is None else key
   rows = jax.jit(lambda t: _model_rows(fn, model, t))(fit_tasks)
   candidates = [_steps(fn, k, rows.shape[0]) for k in iterations]
+  _check_memory(fn, [FAMILIES[n] for n in names], fit_tasks, rows.shape[0],
+                max(c[-1] for c in candidates), len(candidates), restarts)
+  _finite_rows(fn, "fit_tasks", rows)
   ref = _reference(fn, model, test_tasks, jax.random.fold_in(key, 1))
-  fits = [_fit_family(FAMILIES[name], rows, fit_tasks, candidates, ref,
-                      lam=lam, key=key, restarts=restarts,
-                      adam_steps=adam_steps, lm_steps=lm_steps)
-          for name in names]
-  fits.sort(key=lambda f: np.nan_to_num(f.disagreement, nan=np.inf))
+  fits = _rank([_fit_family(FAMILIES[name], rows, fit_tasks, candidates, ref,
+                            lam=lam, key=key, restarts=restarts,
+                            adam_steps=adam_steps, lm_steps=lm_steps)
+                for name in names])
+  closest = _closest(fits)
   within = [f for f in fits if f.disagreement <= tol]
   if not within:
-    return Report(tuple(fits), None, (), tol)
+    return Report(tuple(fits), None, (), tol, closest)
   fewest = min(f.n_params for f in within)
-  simplest = [f for f in within if f.n_params == fewest]
+  simplest = [f for f in within if f.n_params == fewest]  # ranked already
   return Report(tuple(fits), simplest[0],
-                tuple(f.family for f in simplest[1:]), tol)
+                tuple(f.family for f in simplest[1:]), tol, closest)
