@@ -478,3 +478,100 @@ def test_tasks_that_hold_nothing_out_are_warned_about():
   with pytest.raises(ValueError, match=r"on test_tasks are not finite .* "
                                        r"\(indices 5\)"):
     decompile.identify(_nan_where(TEST_TASKS, 5), FIT_TASKS, TEST_TASKS)
+
+
+# --- the spectral description --------------------------------------------------
+
+
+def _nodes(a, b, t):
+  """The roots of the degree-t Chebyshev polynomial on [a, b]."""
+  j = np.arange(1, t + 1)
+  return np.sort((a + b) / 2 + (b - a) / 2 * np.cos((2 * j - 1) * np.pi /
+                                                    (2 * t)))
+
+
+@settings(**ONCE)
+@given(base=st.floats(0.1, 0.3), order=st.permutations(range(LOOPS)),
+       alpha=st.floats(0.3, 0.9), other_lam=st.floats(0.3, 1.0))
+def test_spectral_controls_name_the_truth(base, order, alpha, other_lam):
+  mu_lo, mu_hi = _mu(FIT_TASKS)
+  # GD at a schedule: the residual's roots are the steps, as a set (simple
+  # roots: a multiple one is found to REAL only, see decompile.spectral).
+  etas = (base + 0.25 * np.asarray(order)) / mu_hi
+  model = decompile.from_compiled(_compiled("gd"), loops=LOOPS, lam=LAM,
+                                  eta=etas)
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=LOOPS + 1,
+                            extras=(), lam=LAM)
+  assert spec.coefficients.shape == (LOOPS, LOOPS + 2)
+  assert spec.disagreement < 1e-20
+  for layer, schedule in enumerate(spec.schedules):
+    np.testing.assert_allclose(schedule, np.sort(etas[:layer + 1])[::-1],
+                               rtol=1e-8)
+  assert spec.ladder["gd_schedule"]["disagreement"] < 1e-16
+  assert spec.ladder["gd"]["disagreement"] > 1e-6
+  grid = np.linspace(spec.lo, spec.hi, 9)
+  want = (1 - np.cumprod(1 - etas[:, None] * (grid + LAM), axis=0)) / (
+      grid + LAM)
+  assert helpers.rel_err(spec.filter(grid), want) < 1e-8
+  # Newton-Schulz: r_t = (1 - alpha (lambda + lam))^(2^t).
+  alpha = alpha / mu_hi
+  model = decompile.from_compiled(_compiled("newton_schulz"), loops=LOOPS,
+                                  lam=LAM, alpha=alpha)
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=2 ** LOOPS - 1,
+                            extras=(), lam=LAM)
+  want = np.stack([(1 - alpha * (grid + LAM)) ** 2 ** t
+                   for t in range(1, LOOPS + 1)])
+  assert np.max(np.abs(spec.residual(grid) - want)) < 1e-8
+  # Chebyshev: the roots of layer t are the degree-t nodes of [lo, hi].
+  lo, hi = 0.5 * mu_lo, 1.2 * mu_hi
+  eta, beta = algorithms.chebyshev_schedule(lo, hi, LOOPS)
+  model = decompile.from_compiled(_compiled("heavy_ball"), loops=LOOPS,
+                                  lam=LAM, eta=eta, beta=beta)
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=LOOPS,
+                            extras=(), lam=LAM)
+  for t, roots in enumerate(spec.roots, start=1):
+    assert np.max(np.abs(roots.imag)) < 1e-8
+    np.testing.assert_allclose(np.sort(roots.real) + LAM, _nodes(lo, hi, t),
+                               rtol=1e-8)
+  # Its max |r| on [lo, hi] is the optimum of its degree, 1 / T_t(sigma).
+  on = np.max(np.abs(spec.residual(np.linspace(lo, hi, 33) - LAM)), axis=1)
+  optimum = 1 / np.cosh(np.arange(1, LOOPS + 1) * np.arccosh(
+      (hi + lo) / (hi - lo)))
+  np.testing.assert_allclose(on, optimum, rtol=1e-8)
+  assert spec.max_residual.shape == spec.chebyshev_optimum.shape == (LOOPS,)
+  # GD at another lam: described as GD at that lam, exactly.
+  eta = 0.5 / (mu_hi + other_lam)
+  model = decompile.from_compiled(_compiled("gd"), loops=LOOPS, lam=other_lam,
+                                  eta=eta)
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=LOOPS,
+                            extras=(), lam=LAM)
+  rung = spec.ladder["gd_lam"]
+  assert rung["disagreement"] < 1e-20 and spec.ladder["gd"][
+      "disagreement"] > 1e-6
+  assert helpers.rel_err(rung["lam"], other_lam) < 1e-8
+  assert helpers.rel_err(rung["eta"][0], eta) < 1e-8
+  assert rung["per_layer_steps"] == 1
+
+
+def test_spectral_extras_are_fitted_and_shared_out():
+  # GD's predictions scaled by y^T y / N: the y_energy term alone, which
+  # the polynomial cannot express.
+  eta = 0.5 / _mu(FIT_TASKS)[1]
+  gd = decompile.from_compiled(_compiled("gd"), loops=LOOPS, lam=LAM, eta=eta)
+  model = lambda t: gd(t) * jnp.mean(t.y ** 2, axis=1)[:, None]
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=LOOPS,
+                            extras=("y_energy", "start", "query_key"),
+                            lam=LAM)
+  assert spec.ladder["polynomial+extras"]["disagreement"] < 1e-20
+  assert spec.ladder["polynomial"]["disagreement"] > 1e-3
+  assert min(spec.shares["y_energy"]) > 1 - 1e-8
+  assert max(spec.shares["start"] + spec.shares["query_key"]) < 1e-16
+  found = spec.as_dict()
+  assert found["extras"] == ["y_energy", "start", "query_key"]
+  assert len(found["roots"]) == LOOPS
+  for bad, error in ((dict(extras=("noise",)), ValueError),
+                     (dict(degree=-1), ValueError),
+                     (dict(degree=2.0), TypeError),
+                     (dict(lam=-1.0), ValueError)):
+    with pytest.raises(error, match="decompile.spectral"):
+      decompile.spectral(model, FIT_TASKS, TEST_TASKS, **bad)

@@ -34,10 +34,24 @@ implicit linear weight difference (ILWD: ``w`` least-squares fitted to the
 predictions on probe queries, Akyürek et al. 2023), the cosine and relative L2
 distance of the input sensitivities ``d pred / d x_q`` (von Oswald et al.
 2023), each with its standard error over tasks; ``best`` is the simplest family
-(fewest free parameters) within ``tol``, ties and exact equivalences reported.
+(fewest free parameters; exact ties, ``D <=`` :data:`EXACT`, in the order of
+:data:`FAMILIES`) within ``tol``, ties and exact equivalences reported;
+``closest`` always the nearest family, with how many times nearer it is than
+the runner-up and than constant-step GD (what to read when ``best`` is
+``None``).
+
+:func:`spectral` is fit-free: the filter ``g_l`` with ``prediction = x_q^T
+g_l(A) X^T y / N`` at every exposed layer by linear least squares, its
+residual polynomial and roots (a GD schedule where they are real), and the
+explained-share ladder (GD, GD at its own ridge strength, a GD schedule, the
+polynomial, the polynomial with extra terms).
+
 :func:`similarity` is Fu et al. (2023)'s layer x iteration cosine map;
 :func:`weight_structure` Ahn et al. (2023)'s distance of the trained blocks
 from a scaled identity.
+
+Modules: ``_families`` (the families), ``_models`` (adapters),
+``_fitting`` (fit, identify, the metrics), ``_spectral``, ``_analyses``.
 """
 
 from elsa.decompile._analyses import similarity, weight_structure
@@ -47,8 +61,10 @@ from elsa.decompile._families import (FAMILIES, Family, Parameter,
 from elsa.decompile._fitting import (EXACT, MAX_STEPS, Closest, Fit, Report,
                                      fit, identify)
 from elsa.decompile._models import Model, from_compiled, from_model
+from elsa.decompile._spectral import EXTRAS, Spectral, spectral
 
-__all__ = ["EXACT", "FAMILIES", "MAX_STEPS", "Closest", "Family", "Fit",
-           "Model", "Parameter", "Report", "fit", "from_compiled",
-           "from_model", "gd_plus_plus_program", "identify",
-           "preconditioned_gd_program", "similarity", "weight_structure"]
+__all__ = ["EXACT", "EXTRAS", "FAMILIES", "MAX_STEPS", "Closest", "Family",
+           "Fit", "Model", "Parameter", "Report", "Spectral", "fit",
+           "from_compiled", "from_model", "gd_plus_plus_program", "identify",
+           "preconditioned_gd_program", "similarity", "spectral",
+           "weight_structure"]
