@@ -160,6 +160,7 @@ def _fit_gd(fit: _Data, target: np.ndarray, lam: float, hi: float, *,
     steps = per_layer * layers
 
     def residual(v):
+      v = np.clip(v, -50, 50)  # exp stays finite; such steps lose anyway
       etas = (np.exp(v[:steps]) if schedule is not None
               else np.full(steps, np.exp(v[0])))
       lam_v = np.exp(v[-1]) if free_lam else lam
@@ -183,8 +184,9 @@ def _fit_gd(fit: _Data, target: np.ndarray, lam: float, hi: float, *,
     loss = float(np.sum(sol.fun ** 2))
     if best is None or loss < best["loss"]:
       n = steps if schedule is not None else 1
-      best = {"eta": np.exp(sol.x[:n]),
-              "lam": float(np.exp(sol.x[-1])) if free_lam else lam,
+      x = np.clip(sol.x, -50, 50)
+      best = {"eta": np.exp(x[:n]),
+              "lam": float(np.exp(x[-1])) if free_lam else lam,
               "per_layer": per_layer, "loss": loss}
   return best
 
@@ -360,7 +362,7 @@ def spectral(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
     coef, groups, f_test, pred = solve(tuple(extras))
     ladder["polynomial+extras"] = dict(zip(("disagreement", "per_layer"),
                                            _disagreement(pred, held)))
-  energy = np.mean(pred ** 2, axis=(1, 2))
+  energy = np.maximum(np.mean(pred ** 2, axis=(1, 2)), np.finfo(float).tiny)
   shares = {name: (np.mean(np.einsum("bqp,sp->sbq", f_test[..., cols],
                                      coef[:, cols]) ** 2, axis=(1, 2))
                    / energy).tolist() for name, cols in groups}
