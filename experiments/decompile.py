@@ -114,7 +114,8 @@ def _trained(config, train_workdir: str, train_results: dict, name: str,
 
 def _one(config, model, depth: int, eta: float, fit_tasks, test_tasks,
          spectral_tasks) -> dict:
-  """Decompiles one trained stack: the report, similarity, weight structure."""
+  """Decompiles one trained stack: the report, the spectral description,
+  similarity, weight structure."""
   spec = _spec(config)
   predict = decompile.from_model(model, spec)
   tic = time.perf_counter()

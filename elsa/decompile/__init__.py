@@ -58,13 +58,13 @@ from elsa.decompile._analyses import similarity, weight_structure
 from elsa.decompile._families import (FAMILIES, Family, Parameter,
                                       gd_plus_plus_program,
                                       preconditioned_gd_program)
-from elsa.decompile._fitting import (EXACT, MAX_STEPS, Closest, Fit, Report,
-                                     fit, identify)
+from elsa.decompile._fitting import (EXACT, MAX_STEPS, TIE, Closest, Fit,
+                                     Report, fit, identify)
 from elsa.decompile._models import Model, from_compiled, from_model
 from elsa.decompile._spectral import EXTRAS, Spectral, spectral
 
 __all__ = ["EXACT", "EXTRAS", "FAMILIES", "MAX_STEPS", "Closest", "Family",
-           "Fit", "Model", "Parameter", "Report", "Spectral", "fit",
+           "Fit", "Model", "Parameter", "Report", "Spectral", "TIE", "fit",
            "from_compiled", "from_model", "gd_plus_plus_program", "identify",
            "preconditioned_gd_program", "similarity", "spectral",
            "weight_structure"]

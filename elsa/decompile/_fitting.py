@@ -26,6 +26,10 @@ MAX_STEPS = 10**6
 # Held-out disagreements at or below this are exact (rounding: float64 stacks
 # give about 1e-30); among exact fits the order of FAMILIES decides.
 EXACT = 1e-20
+# Held-out disagreements within this relative difference are tied (a
+# parameter a model does not use, such as gd_lam's lam after one step, moves
+# D in its last digits only); the simpler family goes first.
+TIE = 1e-6
 
 
 def _check_task(fn: str, name: str, task) -> None:
@@ -473,9 +477,9 @@ class Closest:
   """The family nearest the model, whether or not it is within tolerance.
 
   Attributes:
-    family: the lowest held-out ``D`` (among exact fits, ``D <=``
-      :data:`EXACT`, the simplest: fewest parameters, then the order of
-      :data:`FAMILIES`).
+    family: the lowest held-out ``D`` (among ties, exact ``D <=``
+      :data:`EXACT` or within a relative :data:`TIE`, the simplest: fewest
+      parameters, then the order of :data:`FAMILIES`).
     disagreement: its ``D``.
     runner_up: the next family (``None`` if only one was fitted).
     vs_runner_up: ``D(runner_up) / D(family)``: how many times closer.
@@ -496,13 +500,20 @@ def _ratio(above: float, below: float) -> float:
 
 
 def _rank(fits: list[Fit]) -> list[Fit]:
-  """By held-out ``D`` (NaN last); exact fits first, simplest first."""
+  """By held-out ``D`` (NaN last); tied fits (all ``D <=`` :data:`EXACT`, or
+  within a relative :data:`TIE` of the first of their group) simplest first:
+  fewest parameters, then the order of :data:`FAMILIES`."""
   order = {name: i for i, name in enumerate(FAMILIES)}
-  def key(f):
-    d = np.nan_to_num(f.disagreement, nan=np.inf)
-    exact = d <= EXACT
-    return (not exact, (f.n_params, order[f.family]) if exact else (d,), d)
-  return sorted(fits, key=key)
+  groups = []  # [(D of the group's first fit, [fits])]
+  for f in sorted(fits, key=lambda f: np.nan_to_num(f.disagreement,
+                                                    nan=np.inf)):
+    d = float(np.nan_to_num(f.disagreement, nan=np.inf))
+    if groups and (d <= max(EXACT, groups[-1][0] * (1 + TIE))):
+      groups[-1][1].append(f)
+    else:
+      groups.append((d, [f]))
+  return [f for _, group in groups
+          for f in sorted(group, key=lambda f: (f.n_params, order[f.family]))]
 
 
 def _closest(ranked: list[Fit]) -> Closest:
@@ -522,11 +533,11 @@ class Report:
   """What :func:`identify` found.
 
   Attributes:
-    fits: every family fitted, ranked by held-out disagreement (exact fits,
-      ``D <=`` :data:`EXACT`, first, in the order of simplicity).
-    best: the simplest fit within ``tol`` (fewest free parameters; then an
-      exact fit in the order of :data:`FAMILIES`; then the lowest
-      disagreement); ``None``: no family within tolerance.
+    fits: every family fitted, ranked by held-out disagreement (tied fits,
+      see :func:`_rank`, in the order of simplicity).
+    best: the simplest fit within ``tol`` (fewest free parameters; then the
+      lowest disagreement, ties in the order of :data:`FAMILIES`); ``None``:
+      no family within tolerance.
     ties: names of the other fits within ``tol`` with as few parameters.
     tol: the tolerance on the held-out disagreement.
     closest: always the nearest family (:class:`Closest`), with how many

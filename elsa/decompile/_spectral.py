@@ -366,8 +366,7 @@ def spectral(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
   shares = {name: (np.mean(np.einsum("bqp,sp->sbq", f_test[..., cols],
                                      coef[:, cols]) ** 2, axis=(1, 2))
                    / energy).tolist() for name, cols in groups}
-  for rung, free_lam, schedule in (("gd", False, None),
-                                   ("gd_lam", True, None)):
+  for rung, free_lam in (("gd", False), ("gd_lam", True)):
     found = _fit_gd(fit, target, lam, hi, free_lam=free_lam)
     ladder[rung] = _rung(test, held, found, layers)
   constant = ladder["gd"]
