@@ -61,8 +61,7 @@ def main():
     seconds = time.perf_counter() - tic
     ladder = {k: v["disagreement"] for k, v in spec.ladder.items()}
     roots = spec.roots[-1]
-    complex_share = float(np.mean(np.abs(roots.imag) > decompile._spectral.REAL
-                                  * np.abs(roots)))
+    complex_share = float(np.mean(np.abs(roots.imag) > 1e-3 * np.abs(roots)))
     rows.append((name, truth, argmax[1:].tolist(), gd.disagreement,
                  gd.metrics["sensitivity_cosine"], gd.metrics["ilwd"],
                  ladder, len(roots), complex_share,

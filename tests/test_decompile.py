@@ -496,8 +496,7 @@ def _nodes(a, b, t):
        alpha=st.floats(0.3, 0.9), other_lam=st.floats(0.3, 1.0))
 def test_spectral_controls_name_the_truth(base, order, alpha, other_lam):
   mu_lo, mu_hi = _mu(FIT_TASKS)
-  # GD at a schedule: the residual's roots are the steps, as a set (simple
-  # roots: a multiple one is found to REAL only, see decompile.spectral).
+  # GD at a schedule: the residual's roots are the steps, as a set.
   etas = (base + 0.25 * np.asarray(order)) / mu_hi
   model = decompile.from_compiled(_compiled("gd"), loops=LOOPS, lam=LAM,
                                   eta=etas)
@@ -523,6 +522,10 @@ def test_spectral_controls_name_the_truth(base, order, alpha, other_lam):
   want = np.stack([(1 - alpha * (grid + LAM)) ** 2 ** t
                    for t in range(1, LOOPS + 1)])
   assert np.max(np.abs(spec.residual(grid) - want)) < 1e-8
+  # Its layer t is GD 2^t steps at alpha: a root of multiplicity 2^t, read
+  # as that schedule although rounding splits it into a complex cluster.
+  for t, schedule in enumerate(spec.schedules, start=1):
+    np.testing.assert_allclose(schedule, np.full(2 ** t, alpha), rtol=1e-6)
   # Chebyshev: the roots of layer t are the degree-t nodes of [lo, hi].
   lo, hi = 0.5 * mu_lo, 1.2 * mu_hi
   eta, beta = algorithms.chebyshev_schedule(lo, hi, LOOPS)

@@ -61,12 +61,16 @@ EXTRAS = ("y_energy", "start", "query_key")
 # the roots are taken: a layer that computes a lower degree than K fits the
 # higher coefficients to rounding, whose roots would be spurious.
 TRIM = 1e-9
-# Roots with an imaginary part at most this fraction of their size count as
-# real: a root of multiplicity m (constant-step GD's r = (1 - eta mu)^t has
-# one of multiplicity t) splits into a complex cluster of relative size about
-# eps^(1 / m) when the coefficients carry a relative error eps (1e-15 in
-# float64: 1e-5 at m = 3).
-REAL = 1e-3
+# Reading a GD schedule off the roots of r: a root of multiplicity m (as
+# constant-step GD's r = (1 - eta mu)^t has) splits into a complex cluster of
+# relative size eps^(1/m) when the coefficients carry a relative error eps
+# (about 0.1 at m = 8). So roots within a radius of CLUSTERS of each other
+# (relative) are taken as one root of multiplicity m at their mean (which
+# rounding leaves accurate), from the largest radius down; the first reading
+# whose product reproduces r to AGREE on the spectrum's range is the schedule
+# (distinct roots merged by too large a radius do not reproduce it).
+CLUSTERS = (0.0, 0.01, 0.03, 0.1, 0.3)
+AGREE = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,14 +269,30 @@ class Spectral:
   @property
   def schedules(self) -> list[np.ndarray | None]:
     """Per layer, the GD schedule ``eta_i = 1 / (root_i + lam)`` (ascending
-    roots; the order of the steps is not identifiable) if every root is real
-    (imaginary part at most :data:`REAL` of its size), else ``None``: no real
-    GD schedule computes that layer's filter."""
-    out = []
-    for roots in self.roots:
-      real = np.all(np.abs(roots.imag) <= REAL * np.abs(roots))
-      out.append(1 / (np.sort(roots.real) + self.lam) if real else None)
-    return out
+    roots; the order of the steps is not identifiable) if a real one computes
+    the layer's filter (see :data:`CLUSTERS`, :data:`AGREE`), else ``None``:
+    its roots are complex, and no real GD schedule does."""
+    return [self._schedule(layer) for layer in range(len(self.coefficients))]
+
+  def _schedule(self, layer: int) -> np.ndarray | None:
+    roots = sorted(self.roots[layer], key=lambda z: (z.real, z.imag))
+    grid = np.linspace(self.lo, self.hi, 65)
+    found = self.residual(grid)[layer]
+    for radius in CLUSTERS[::-1]:  # the most merged reading that agrees
+      clusters = []
+      for z in roots:
+        if clusters and abs(z - np.mean(clusters[-1])) <= radius * abs(z):
+          clusters[-1].append(z)
+        else:
+          clusters.append([z])
+      merged = np.asarray([np.mean(c).real for c in clusters
+                           for _ in c])
+      rebuilt = np.prod(1 - (grid[:, None] + self.lam) / (merged + self.lam),
+                        axis=1)
+      if np.max(np.abs(found - rebuilt)) <= AGREE * max(1.0, np.max(np.abs(
+          found))):
+        return 1 / (np.sort(merged) + self.lam)
+    return None
 
   @property
   def monomial(self) -> list[np.ndarray]:
