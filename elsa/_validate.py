@@ -202,3 +202,22 @@ def fits_memory(fn: str, nbytes: int, fields: dict) -> None:
     raise ValueError(f"{fn}: {named} need at least {nbytes / 2**30:.3g} GiB, "
                      f"more than the {limit / 2**30:.3g} GiB the devices of "
                      "this process hold together; make them smaller.")
+
+
+def int_between(fn: str, name: str, value, *, low: int, high: int) -> int:
+  """:func:`int_at_least` with an upper bound: ``ValueError`` above ``high``
+  (a count that sets a loop's length or an array's size, where a typo such
+  as ``1e12`` would run for days or allocate terabytes)."""
+  value = int_at_least(fn, name, value, low=low)
+  if value > high:
+    raise ValueError(f"{fn}: {name} must be an int in [{low}, {high}], got "
+                     f"{value}.")
+  return value
+
+
+def float32_or_64(fn: str, name: str, x) -> None:
+  """``TypeError`` unless ``x`` is float32 or float64 (bfloat16 and float16
+  lose the digits a numerical comparison needs)."""
+  dtype = jnp.result_type(x)
+  if dtype not in (jnp.float32, jnp.float64):
+    raise TypeError(f"{fn}: {name} must be float32 or float64, got {dtype}.")

@@ -8,7 +8,9 @@ training distribution at every exposed layer, ranked on ``n_test`` others
 (float64 families; the model in its own float32), with the ridge strength of
 the tasks. Beside it, Fu et al.'s similarity map of the layers against GD
 steps ``0..similarity_steps`` at the train run's chosen step size, and for LSA
-models Ahn et al.'s weight structure.
+models Ahn et al.'s weight structure, and the fit-free spectral description
+(:func:`elsa.decompile.spectral`: each layer's filter, residual roots and
+the explained-share ladder).
 
 The train run: ``config.train_workdir`` (default ``<workdir>/train``);
 :func:`experiments.train.run` trains it first if it holds no results (and
@@ -19,10 +21,16 @@ Workdir (claimed as every driver claims it,
 ``partial_<model>_L<depth>.json`` (each model and depth as soon as it is done;
 a rerun resumes at the first missing one), ``results.json`` (written last:
 ``{"models": {model: [per depth: ranked fits with every metric, best, ties,
-similarity, weight structure, seconds]}}``) and ``figures/``
-(``similarity_<model>.png``, ``schedules.png``, ``sensitivity.png``). The
-task axis is sharded over the local devices (a ``Mesh`` over them and a
-``NamedSharding`` of every task array; parameters replicated).
+closest, similarity, spectral description, weight structure, seconds]}}``)
+and ``figures/`` (``similarity_<model>.png``, ``filters_<model>.png``,
+``schedules.png``, ``sensitivity.png``, ``ladder.png``). The task axis is
+sharded over the local devices (a ``Mesh`` over them and a ``NamedSharding``
+of every task array; parameters replicated).
+
+Multi-host (``--distributed``, :mod:`experiments.distributed`): validation is
+agreed by every process and process 0 alone claims the workdir and writes;
+each process decompiles on its own devices (the fits are small: the work is
+repeated, not split, so every process holds the same results).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from matplotlib.figure import Figure
 
 from elsa import decompile, training
 from experiments import common
+from experiments import distributed
 from experiments import train
 
 
@@ -52,7 +61,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   common.check_seed(config)
   train.validate(config.train)
   devices = jax.local_device_count()
-  for field in ("n_fit", "n_test"):
+  for field in ("n_fit", "n_test", "spectral_n_fit", "spectral_n_test"):
     if common.check_int(config, field, low=2) % devices:
       raise common.ConfigError(f"config.{field} must be a multiple of the "
                                f"local device count {devices}, got "
@@ -65,6 +74,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   common.check_items(config, "iterations", integer=True, low=1)
   for field in ("restarts", "adam_steps", "lm_steps", "similarity_steps"):
     common.check_int(config, field)
+  common.check_int(config, "spectral_degree", low=0)
+  common.check_items(config, "spectral_extras", choices=decompile.EXTRAS,
+                     allow_empty=True)
 
 
 def _spec(config) -> training.TaskSpec:
@@ -100,9 +112,10 @@ def _trained(config, train_workdir: str, train_results: dict, name: str,
   return training.merge(split.graphdef, params, split.rest)
 
 
-def _one(config, model, depth: int, eta: float, fit_tasks, test_tasks
-         ) -> dict:
-  """Decompiles one trained stack: the report, similarity, weight structure."""
+def _one(config, model, depth: int, eta: float, fit_tasks, test_tasks,
+         spectral_tasks) -> dict:
+  """Decompiles one trained stack: the report, the spectral description,
+  similarity, weight structure."""
   spec = _spec(config)
   predict = decompile.from_model(model, spec)
   tic = time.perf_counter()
@@ -113,6 +126,12 @@ def _one(config, model, depth: int, eta: float, fit_tasks, test_tasks
       restarts=config.restarts, adam_steps=config.adam_steps,
       lm_steps=config.lm_steps)
   seconds = time.perf_counter() - tic
+  tic = time.perf_counter()
+  described = decompile.spectral(predict, *spectral_tasks,
+                                 degree=config.spectral_degree,
+                                 extras=tuple(config.spectral_extras),
+                                 lam=spec.lam)
+  spectral_seconds = time.perf_counter() - tic
   heat, argmax = decompile.similarity(
       predict, lambda t: training.gd_step_predictions(
           t, lam=spec.lam, eta=eta, steps=config.similarity_steps),
@@ -120,6 +139,8 @@ def _one(config, model, depth: int, eta: float, fit_tasks, test_tasks
   structure = (None if model.use_bias
                else decompile.weight_structure(model, spec))
   return {"depth": depth, **report.as_dict(), "identify_seconds": seconds,
+          "spectral": described.as_dict(),
+          "spectral_seconds": spectral_seconds,
           "similarity_to_gd": {"eta": eta, "map": heat.tolist(),
                                "argmax": argmax.tolist()},
           "weight_structure": structure}
@@ -129,6 +150,8 @@ def _decompile_all(config, wd: common.Workdir, train_workdir: str,
                    train_results: dict) -> dict:
   fit_tasks = _sharded_tasks(config, 1, config.n_fit)
   test_tasks = _sharded_tasks(config, 2, config.n_test)
+  spectral_tasks = (_sharded_tasks(config, 3, config.spectral_n_fit),
+                    _sharded_tasks(config, 4, config.spectral_n_test))
   names = list(config.models or config.train.models)
   depths = list(config.train.depths)
   progress = common.Progress(len(names) * len(depths), name="decompile",
@@ -143,7 +166,7 @@ def _decompile_all(config, wd: common.Workdir, train_workdir: str,
         model = _trained(config, train_workdir, train_results, name, depth)
         found = ({"depth": depth, "diverged": True} if model is None else
                  _one(config, model, depth, train_results["gd_best_eta"][i],
-                      fit_tasks, test_tasks))
+                      fit_tasks, test_tasks, spectral_tasks))
         wd.write_json(partial, found)
         progress.update()
       else:
@@ -212,10 +235,59 @@ def sensitivity_figure(results: dict) -> Figure:
   return fig
 
 
+def filters_figure(per_depth: list[dict], name: str, lam: float) -> Figure:
+  r"""One panel per depth: the spectral filter ``g_l`` of every layer on the
+  fit spectrum's range, beside ridge's ``1 / (lambda + lam)`` and constant-step
+  GD's ``(1 - (1 - eta (lambda + lam))^t) / (lambda + lam)`` at the ladder's
+  fitted ``eta`` (dashed, one per layer)."""
+  shown = [r for r in per_depth if "spectral" in r]
+  fig = Figure(figsize=(3.4 * max(len(shown), 1), 3.0), layout="constrained")
+  for k, r in enumerate(shown):
+    s = r["spectral"]
+    ax = fig.add_subplot(1, len(shown), k + 1)
+    grid = np.linspace(s["lo"], s["hi"], 200)
+    scaled = (2 * grid - (s["hi"] + s["lo"])) / (s["hi"] - s["lo"])
+    gd = s["ladder"]["gd"]
+    for layer, coef in enumerate(s["coefficients"]):
+      line, = ax.plot(grid, np.polynomial.chebyshev.chebval(
+          scaled, coef[:s["degree"] + 1]), label=f"layer {layer + 1}")
+      steps = (layer + 1) * gd["per_layer_steps"]
+      ax.plot(grid, (1 - (1 - gd["eta"][0] * (grid + lam)) ** steps)
+              / (grid + lam), "--", color=line.get_color(), lw=0.8)
+    ax.plot(grid, 1 / (grid + lam), "k:", label="ridge")
+    ax.set(title=f"{name}, L = {r['depth']}", xlabel="eigenvalue of A",
+           ylabel="filter g")
+    ax.legend(fontsize=6)
+  return fig
+
+
+def ladder_figure(results: dict) -> Figure:
+  """Held-out D of each rung of the explained-share ladder, per model and depth."""
+  fig = Figure(figsize=(6, 3.5), layout="constrained")
+  ax = fig.add_subplot()
+  rungs = ("gd", "gd_lam", "gd_schedule", "polynomial", "polynomial+extras")
+  for name, per_depth in results["models"].items():
+    for r in per_depth:
+      if "spectral" not in r:
+        continue
+      ladder = r["spectral"]["ladder"]
+      ys = [ladder[k]["disagreement"] if k in ladder else None for k in rungs]
+      ax.plot(range(len(rungs)), [np.nan if y is None else y for y in ys],
+              "o-", label=f"{name} L={r['depth']}")
+  ax.set(xticks=range(len(rungs)), yscale="log", ylabel="held-out D",
+         title="explained-share ladder")
+  ax.set_xticklabels(rungs, fontsize=7)
+  ax.legend(fontsize=6)
+  return fig
+
+
 def _write_figures(results: dict, wd: common.Workdir) -> None:
   for name, per_depth in results["models"].items():
     wd.save_figure(similarity_figure(per_depth, name),
                    f"figures/similarity_{name}.png")
+    wd.save_figure(filters_figure(per_depth, name, results["lam"]),
+                   f"figures/filters_{name}.png")
+  wd.save_figure(ladder_figure(results), "figures/ladder.png")
   wd.save_figure(schedules_figure(results), "figures/schedules.png")
   wd.save_figure(sensitivity_figure(results), "figures/sensitivity.png")
 
@@ -232,6 +304,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   """
   validate(config)
   train_workdir = config.train_workdir or os.path.join(workdir, "train")
+  distributed.agree("validate", validate, config)
   # Before the claim: a refusal here writes nothing, so the command it asks
   # for (another train_workdir: another config) is not refused in turn.
   common.check_other_workdir(
@@ -239,7 +312,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
           "pass another --config.train_workdir (or the train config it holds "
           f"as --config.train.FIELD), or delete {train_workdir!r} to train "
           "there afresh; nothing was written."))
-  with common.claim_workdir(workdir, config, overwrite=overwrite) as wd:
+  with distributed.claim_workdir(workdir, config, overwrite=overwrite) as wd:
     done = wd.read_json("results.json")
     if done is not None:
       logging.info("%s: results of this config exist; nothing to do.", workdir)
@@ -252,15 +325,20 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     wd.write_json("results.json", results)  # last: its presence means done
   for name, per_depth in results["models"].items():
     for r in per_depth:
-      logging.info("%s L=%d: best %s (ties %s)", name, r["depth"],
-                   r.get("best"), r.get("ties"))
+      closest = r.get("closest") or {}
+      logging.info("%s L=%d: best %s (ties %s); closest %s (D %s, %s times "
+                   "nearer than %s, %s than gd)", name, r["depth"],
+                   r.get("best"), r.get("ties"), closest.get("family"),
+                   closest.get("disagreement"), closest.get("vs_runner_up"),
+                   closest.get("runner_up"), closest.get("vs_gd"))
   return results
 
 
 def main(argv) -> None:
-  common.run_main(argv, "decompile", run)
+  distributed.run_main(argv, "decompile", run)
 
 
 if __name__ == "__main__":
   common.define_flags("decompile")
+  distributed.define_flags()
   app.run(main)

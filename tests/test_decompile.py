@@ -196,6 +196,14 @@ def _check_recovered(fit, truth):
     assert helpers.rel_err(fit.params[key], want) < 1e-4, (key, fit.params)
 
 
+def _check_ranked(report):
+  """By disagreement; ties (exact, or within TIE) simplest first."""
+  d = [f.disagreement for f in report.fits]
+  assert all(b >= a / (1 + decompile.TIE) or b <= decompile.EXACT
+             for a, b in zip(d, d[1:])), d
+  assert report.closest.family == report.fits[0].family
+
+
 # Fewer optimiser steps than the defaults: enough for these exact targets.
 QUICK = dict(restarts=4, adam_steps=100, lm_steps=20)
 # One draw each, not shrunk: an identify call takes seconds.
@@ -222,8 +230,7 @@ def test_compiled_algorithms_are_identified_with_their_parameters(name, data):
   assert best.metrics["sensitivity_cosine"] > 1 - 1e-8
   # The ranking is by held-out disagreement, and it separates: the random
   # stack's counterpart below is far above tol for every family.
-  ranked = [f.disagreement for f in report.fits]
-  assert ranked == sorted(ranked)
+  _check_ranked(report)
   if name == "newton_schulz":
     assert best.equivalent[0]["gd_steps"] == [2, 4, 8]
   if name == "gd":  # the families that contain GD fit it too: a tie is named
@@ -268,6 +275,55 @@ def test_random_stack_is_no_family():
   assert report.best is None and report.ties == ()
   assert min(f.disagreement for f in report.fits) > 1e-2
   assert report.as_dict()["best"] is None
+  # The nearest family is still named, with how much nearer it is.
+  closest = report.closest
+  assert closest.family == report.fits[0].family
+  assert closest.runner_up == report.fits[1].family
+  assert closest.vs_runner_up == pytest.approx(
+      report.fits[1].disagreement / report.fits[0].disagreement)
+  assert closest.vs_gd >= 1
+  assert report.as_dict()["closest"]["family"] == closest.family
+
+
+@settings(**ONCE)
+@given(frac=st.floats(0.3, 0.8), lam=st.floats(0.3, 1.0))
+def test_gd_at_another_lam_is_described_as_that_lam(frac, lam):
+  # GD run at a ridge strength other than the tasks' (LAM) is neither GD
+  # nor GD++: gd_lam fits it exactly, at its lam.
+  eta = frac / (_mu(FIT_TASKS)[1] + lam)
+  model = decompile.from_compiled(_compiled("gd"), loops=LOOPS, lam=lam,
+                                  eta=eta)
+  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-8,
+                              families=("gd", "gd_lam", "gd_plus_plus"),
+                              **QUICK)
+  assert report.best.family == "gd_lam" and report.closest.family == "gd_lam"
+  _check_recovered(report.best, {"eta": eta, "lam": lam})
+  assert report.closest.vs_gd > 1e6
+  gd_plus_plus = next(f for f in report.fits if f.family == "gd_plus_plus")
+  assert gd_plus_plus.disagreement > 1e3 * report.best.disagreement
+
+
+def _fake_fit(family, disagreement, n_params):
+  return decompile.Fit(family, (1,), {}, disagreement, (),
+                       {"n_params": n_params}, LAM)
+
+
+def test_exact_ties_go_to_the_simpler_family():
+  from elsa.decompile import _fitting
+  fits = [_fake_fit("third_order_residual", 1e-31, 1),
+          _fake_fit("newton_schulz", 3e-30, 1), _fake_fit("chebyshev", 1e-32, 2),
+          _fake_fit("heavy_ball", 1e-9, 2), _fake_fit("gd_lam", 1e-4, 2),
+          _fake_fit("gd", 1e-4 * (1 + 1e-12), 1)]
+  ranked = _fitting._rank(fits)
+  assert [f.family for f in ranked] == [
+      "newton_schulz", "third_order_residual", "chebyshev", "heavy_ball",
+      "gd", "gd_lam"]
+  closest = _fitting._closest(ranked)
+  assert (closest.family, closest.runner_up) == ("newton_schulz",
+                                                 "third_order_residual")
+  assert closest.vs_gd == pytest.approx(1e-4 / 3e-30)
+  # A near tie (a parameter the model does not use) goes to the simpler too.
+  assert _fitting._closest(_fitting._rank(fits[-2:])).family == "gd"
 
 
 # --- trained-stack adapter, similarity, weight structure ----------------------
@@ -344,3 +400,182 @@ def test_bad_arguments_are_refused():
                   FIT_TASKS._replace(y=FIT_TASKS.y[..., None]))
   with pytest.raises(ValueError, match="predictions"):
     decompile.fit(lambda t: t.x, decompile.FAMILIES["gd"], FIT_TASKS)
+
+
+def _nan_on(tasks):
+  """A model whose predictions are NaN on those tasks (of a batch of 24)."""
+  mask = np.zeros((24, 1))
+  mask[list(tasks)] = np.nan
+  return lambda t: jnp.zeros(t.x_query.shape[:2], t.x.dtype) + mask
+
+
+def _nan_where(tasks, b):
+  """A model that is NaN on task ``b`` of ``tasks`` only (found by its x)."""
+  marker = tasks.x[b, 0, 0]
+  return lambda t: jnp.where((t.x[:, 0, 0] == marker)[:, None], jnp.nan,
+                             0 * t.x_query[..., 0])
+
+
+_as = lambda task, dtype: ridge.Task(*(a.astype(dtype) for a in task))
+_BAD = [
+    (dict(lam=-0.1), ValueError, r"identify: lam must be >= 0, got -0.1"),
+    (dict(lam=float("nan")), ValueError, "lam must be >= 0, got nan"),
+    (dict(tol=0.0), ValueError, "tol must be > 0"),
+    (dict(restarts=0), ValueError, "restarts must be an int >= 1, got 0"),
+    (dict(restarts=2.5), TypeError, "restarts must be an int"),
+    (dict(restarts=1e9), TypeError, "restarts must be an int"),
+    (dict(restarts=10**12), ValueError, "restarts=1000000000000, .* need at least"),
+    (dict(lm_steps=10**12), ValueError, r"lm_steps must be an int in \[0, "),
+    (dict(lm_steps=1e12), TypeError, "lm_steps must be an int"),
+    (dict(adam_steps=-1), ValueError, "adam_steps must be an int >= 0"),
+    (dict(iterations="2"), TypeError, "iterations must be an int or"),
+    (dict(iterations=[2.0]), TypeError, "iterations must be an int or"),
+    (dict(model=lambda t: jnp.zeros(t.x_query.shape[:2], jnp.int32)),
+     TypeError, "the model returns int32 predictions on float64 tasks"),
+    (dict(model=lambda t: jnp.zeros(t.x_query.shape[:2], jnp.float32)),
+     TypeError, "the model returns float32 predictions on float64 tasks"),
+    (dict(fit_tasks=FIT_TASKS._replace(y=FIT_TASKS.y.astype(jnp.float32))),
+     TypeError, "fit_tasks.y has dtype float32 but fit_tasks.x has dtype"),
+    (dict(test_tasks=_as(TEST_TASKS, jnp.float32)), TypeError,
+     "test_tasks.x has dtype float32 but fit_tasks.x has dtype float64"),
+    (dict(fit_tasks=_as(FIT_TASKS, jnp.bfloat16),
+          test_tasks=_as(TEST_TASKS, jnp.bfloat16)), TypeError,
+     "fit_tasks.x must be float32 or float64, got bfloat16"),
+    (dict(test_tasks=ridge.sample_tasks(jax.random.key(1), batch=24,
+                                        n_train=N, d=D + 1, n_query=Q,
+                                        dtype=F64)),
+     ValueError, "test_tasks have d = 3 inputs but fit_tasks d = 2"),
+    (dict(model=_nan_on((3, 17))), ValueError,
+     r"predictions on fit_tasks are not finite \(NaN or inf\) on 2 of 24 "
+     r"tasks \(indices 3, 17\)"),
+]
+
+
+@pytest.mark.parametrize("change, error, message", _BAD)
+def test_identify_and_fit_refuse_bad_arguments(change, error, message):
+  args = dict(model=decompile.from_compiled(_compiled("gd"), loops=2, lam=LAM,
+                                            eta=0.1),
+              fit_tasks=FIT_TASKS, test_tasks=TEST_TASKS, lam=LAM, **QUICK)
+  args.update(change)
+  with pytest.raises(error, match=message):
+    decompile.identify(**args)
+  if not {"tol", "iterations"} & set(change):  # fit says the same
+    family = decompile.FAMILIES["gd"]
+    with pytest.raises(error, match=message.replace("identify", "fit")):
+      decompile.fit(args.pop("model"), family, args.pop("fit_tasks"), **args)
+
+
+def test_tasks_that_hold_nothing_out_are_warned_about():
+  nan_on_all = _nan_on(range(24))  # stops right after the checks
+  with pytest.warns(UserWarning, match="nothing is held out"), pytest.raises(
+      ValueError, match="not finite"):
+    decompile.identify(nan_on_all, FIT_TASKS, FIT_TASKS)
+  other_n = ridge.sample_tasks(jax.random.key(2), batch=24, n_train=N + 2,
+                               d=D, n_query=Q, dtype=F64)
+  with pytest.warns(UserWarning, match="another context length"), (
+      pytest.raises(ValueError, match="not finite")):
+    decompile.identify(nan_on_all, FIT_TASKS, other_n)
+  # Non-finite predictions on the held-out tasks are named too.
+  with pytest.raises(ValueError, match=r"on test_tasks are not finite .* "
+                                       r"\(indices 5\)"):
+    decompile.identify(_nan_where(TEST_TASKS, 5), FIT_TASKS, TEST_TASKS)
+
+
+# --- the spectral description --------------------------------------------------
+
+
+def _nodes(a, b, t):
+  """The roots of the degree-t Chebyshev polynomial on [a, b]."""
+  j = np.arange(1, t + 1)
+  return np.sort((a + b) / 2 + (b - a) / 2 * np.cos((2 * j - 1) * np.pi /
+                                                    (2 * t)))
+
+
+@settings(**ONCE)
+@given(base=st.floats(0.1, 0.3), order=st.permutations(range(LOOPS)),
+       alpha=st.floats(0.3, 0.9), other_lam=st.floats(0.3, 1.0))
+def test_spectral_controls_name_the_truth(base, order, alpha, other_lam):
+  mu_lo, mu_hi = _mu(FIT_TASKS)
+  # GD at a schedule: the residual's roots are the steps, as a set.
+  etas = (base + 0.25 * np.asarray(order)) / mu_hi
+  model = decompile.from_compiled(_compiled("gd"), loops=LOOPS, lam=LAM,
+                                  eta=etas)
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=LOOPS + 1,
+                            extras=(), lam=LAM)
+  assert spec.coefficients.shape == (LOOPS, LOOPS + 2)
+  assert spec.disagreement < 1e-20
+  for layer, schedule in enumerate(spec.schedules):
+    np.testing.assert_allclose(schedule, np.sort(etas[:layer + 1])[::-1],
+                               rtol=1e-8)
+  assert spec.ladder["gd_schedule"]["disagreement"] < 1e-16
+  assert spec.ladder["gd"]["disagreement"] > 1e-6
+  grid = np.linspace(spec.lo, spec.hi, 9)
+  want = (1 - np.cumprod(1 - etas[:, None] * (grid + LAM), axis=0)) / (
+      grid + LAM)
+  assert helpers.rel_err(spec.filter(grid), want) < 1e-8
+  # Newton-Schulz: r_t = (1 - alpha (lambda + lam))^(2^t).
+  alpha = alpha / mu_hi
+  model = decompile.from_compiled(_compiled("newton_schulz"), loops=LOOPS,
+                                  lam=LAM, alpha=alpha)
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=2 ** LOOPS - 1,
+                            extras=(), lam=LAM)
+  want = np.stack([(1 - alpha * (grid + LAM)) ** 2 ** t
+                   for t in range(1, LOOPS + 1)])
+  assert np.max(np.abs(spec.residual(grid) - want)) < 1e-8
+  # Its layer t is GD 2^t steps at alpha: a root of multiplicity 2^t, read
+  # as that schedule although rounding splits it into a complex cluster.
+  for t, schedule in enumerate(spec.schedules, start=1):
+    np.testing.assert_allclose(schedule, np.full(2 ** t, alpha), rtol=1e-6)
+  # Chebyshev: the roots of layer t are the degree-t nodes of [lo, hi].
+  lo, hi = 0.5 * mu_lo, 1.2 * mu_hi
+  eta, beta = algorithms.chebyshev_schedule(lo, hi, LOOPS)
+  model = decompile.from_compiled(_compiled("heavy_ball"), loops=LOOPS,
+                                  lam=LAM, eta=eta, beta=beta)
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=LOOPS,
+                            extras=(), lam=LAM)
+  for t, roots in enumerate(spec.roots, start=1):
+    assert np.max(np.abs(roots.imag)) < 1e-8
+    np.testing.assert_allclose(np.sort(roots.real) + LAM, _nodes(lo, hi, t),
+                               rtol=1e-8)
+  # Its max |r| on [lo, hi] is the optimum of its degree, 1 / T_t(sigma).
+  on = np.max(np.abs(spec.residual(np.linspace(lo, hi, 33) - LAM)), axis=1)
+  optimum = 1 / np.cosh(np.arange(1, LOOPS + 1) * np.arccosh(
+      (hi + lo) / (hi - lo)))
+  np.testing.assert_allclose(on, optimum, rtol=1e-8)
+  assert spec.max_residual.shape == spec.chebyshev_optimum.shape == (LOOPS,)
+  # GD at another lam: described as GD at that lam, exactly.
+  eta = 0.5 / (mu_hi + other_lam)
+  model = decompile.from_compiled(_compiled("gd"), loops=LOOPS, lam=other_lam,
+                                  eta=eta)
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=LOOPS,
+                            extras=(), lam=LAM)
+  rung = spec.ladder["gd_lam"]
+  assert rung["disagreement"] < 1e-20 and spec.ladder["gd"][
+      "disagreement"] > 1e-6
+  assert helpers.rel_err(rung["lam"], other_lam) < 1e-8
+  assert helpers.rel_err(rung["eta"][0], eta) < 1e-8
+  assert rung["per_layer_steps"] == 1
+
+
+def test_spectral_extras_are_fitted_and_shared_out():
+  # GD's predictions scaled by y^T y / N: the y_energy term alone, which
+  # the polynomial cannot express.
+  eta = 0.5 / _mu(FIT_TASKS)[1]
+  gd = decompile.from_compiled(_compiled("gd"), loops=LOOPS, lam=LAM, eta=eta)
+  model = lambda t: gd(t) * jnp.mean(t.y ** 2, axis=1)[:, None]
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=LOOPS,
+                            extras=("y_energy", "start", "query_key"),
+                            lam=LAM)
+  assert spec.ladder["polynomial+extras"]["disagreement"] < 1e-20
+  assert spec.ladder["polynomial"]["disagreement"] > 1e-3
+  assert min(spec.shares["y_energy"]) > 1 - 1e-8
+  assert max(spec.shares["start"] + spec.shares["query_key"]) < 1e-16
+  found = spec.as_dict()
+  assert found["extras"] == ["y_energy", "start", "query_key"]
+  assert len(found["roots"]) == LOOPS
+  for bad, error in ((dict(extras=("noise",)), ValueError),
+                     (dict(degree=-1), ValueError),
+                     (dict(degree=2.0), TypeError),
+                     (dict(lam=-1.0), ValueError)):
+    with pytest.raises(error, match="decompile.spectral"):
+      decompile.spectral(model, FIT_TASKS, TEST_TASKS, **bad)

@@ -176,7 +176,12 @@ class TokenForm:
     xp = jnp if isinstance(a, jax.core.Tracer) else np
     pad = [(0, 0)] * a.ndim
     pad[axis] = (0, 1)
-    return xp.take(xp.pad(a, pad), _column_maps(self)[1], axis=axis)
+    # int32 in both of jax's integer modes: an int64 index becomes i32 under
+    # 32-bit jax and i64 under 64-bit jax, and a gather traced in one mode
+    # (a trained stack's, in 32 bits) then fails to lower when the same
+    # function is traced again in the other (the decompiler's, in 64 bits).
+    index = _column_maps(self)[1].astype(np.int32)
+    return xp.take(xp.pad(a, pad), index, axis=axis)
 
   def _encode_blocks(self, **blocks) -> Array:
     """``compiled.encode`` of those ``blocks`` the program declares (no query

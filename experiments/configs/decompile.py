@@ -50,6 +50,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The similarity map holds every layer against GD steps 0..this, at the
   # train run's validation-chosen step size.
   config.similarity_steps = 12
+  # elsa.decompile.spectral at every model and depth: the filter's degree K
+  # and the extra terms (names of elsa.decompile.EXTRAS; "query_key" is for
+  # layouts whose query token is among the keys).
+  config.spectral_degree = 4
+  config.spectral_extras = ("y_energy", "start")
+  # Its tasks (fit, held out): it is cheap (one model evaluation and a least
+  # squares), and the extras have (K + 1) (d + 2) coefficients: on n_fit = 64
+  # single-query tasks they would fit noise.
+  config.spectral_n_fit = 2048
+  config.spectral_n_test = 2048
+  if arg == "vonoswald":
+    config.spectral_extras = ("y_energy", "start", "query_key")
   if arg == "tiny":
     config.n_fit = 64
     config.n_test = 64
@@ -58,4 +70,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.adam_steps = 50
     config.lm_steps = 10
     config.similarity_steps = 4
+    config.spectral_n_fit = 256
+    config.spectral_n_test = 256
   return config

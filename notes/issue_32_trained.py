@@ -1,0 +1,61 @@
+"""The spectral description of a train run's stacks, printed as polynomials and schedules.
+
+PYTHONPATH=. python notes/issue_32_trained.py TRAIN_WORKDIR [vonoswald]
+
+The tasks, degree and extras of the decompile driver's config (default or
+``vonoswald``); the models the train run chose on its validation tasks.
+"""
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from elsa import decompile
+from experiments import decompile as driver
+from experiments.configs import decompile as decompile_config
+
+
+def main(train_workdir, variant=None):
+  config = decompile_config.get_config(variant)
+  with open(f"{train_workdir}/results.json", encoding="utf-8") as f:
+    train_results = json.load(f)
+  spec = driver._spec(config)
+  with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+    fit_tasks = driver._sharded_tasks(config, 3, config.spectral_n_fit)
+    test_tasks = driver._sharded_tasks(config, 4, config.spectral_n_test)
+    for name in config.train.models:
+      for depth in config.train.depths:
+        model = driver._trained(config, train_workdir, train_results, name,
+                                depth)
+        if model is None:
+          print(f"{name} L={depth}: diverged")
+          continue
+        s = decompile.spectral(decompile.from_model(model, spec), fit_tasks,
+                               test_tasks, degree=config.spectral_degree,
+                               extras=tuple(config.spectral_extras),
+                               lam=spec.lam)
+        ladder = {k: f"{v['disagreement']:.2e}" for k, v in s.ladder.items()}
+        print(f"## {name} L={depth}  ladder {ladder}  "
+              f"gd eta {s.ladder['gd']['eta'][0]:.4f} x "
+              f"{s.ladder['gd']['per_layer_steps']}/layer, gd_lam "
+              f"(eta {s.ladder['gd_lam']['eta'][0]:.4f}, lam "
+              f"{s.ladder['gd_lam']['lam']:.4f}); spectrum [{s.lo:.3f}, "
+              f"{s.hi:.3f}]; shares (last layer) "
+              + str({k: round(v[-1], 4) for k, v in s.shares.items()}))
+        for layer in range(depth):
+          roots = s.roots[layer]
+          sched = s.schedules[layer]
+          print(f"  layer {layer + 1}: g = "
+                + " + ".join(f"{c:.4g} l^{k}" for k, c in
+                             enumerate(s.monomial[layer]))
+                + f"; roots of r: {np.round(roots, 3).tolist()}; "
+                + ("schedule " + str(np.round(sched, 4).tolist())
+                   if sched is not None else "complex: no real schedule")
+                + f"; max|r| {s.max_residual[layer]:.3f} vs Chebyshev "
+                f"{s.chebyshev_optimum[layer]:.3f}")
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
