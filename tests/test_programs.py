@@ -1180,3 +1180,72 @@ def test_programs_needing_no_rewrite_keep_their_layers(case):
   assert compiled.rewrites == () and compiled.layers_per_iteration == [1]
   once = len(prog.stages) - 1 + (prog.init_stage() is not None)
   assert compiled.layers(loops) == once + loops + compiled.relocation_layers
+
+
+# --- issue 34: every promise checked ---------------------------------------------
+
+
+def _compiled_equals_run(prog, loops, blocks, scalars=None, rtol=F64_RTOL):
+  """Compiles ``prog`` and checks every block at every layer against ``run``;
+  returns the compiled program."""
+  scalars = scalars or {}
+  compiled = programs.compile(prog)
+  hs = elsa.elsa_stack(compiled.params(loops=loops, **scalars),
+                       compiled.encode(**blocks), return_all=True)
+  ref = programs.run(prog, loops=loops, **blocks, **scalars)
+  assert_every_layer(compiled, hs, ref, rtol)
+  return compiled
+
+
+def test_a_symmetric_state_must_be_proven_symmetric_from_its_init_and_update():
+  """The red team's reproducer: ``S + 0.1 S A`` is not symmetric, and the
+  stack read ``S`` transposed where ``run`` did not (B off by 22%, silently).
+  Now refused naming the statement; symmetric updates compile and are exact."""
+  rng = np.random.default_rng(34)
+  a = rng.normal(size=(3, 3)) / 2
+  prog = programs.Program()
+  A = prog.input("A", (3, 3))
+  S = prog.state("S", (3, 3), init=programs.eye(3), symmetric=True)
+  B = prog.state("B", (3, 3))
+  with pytest.raises(ValueError, match=r"in loop 1, S = \.\.\.: S is declared "
+                     r"symmetric=True, but this term is not symmetric: "
+                     r"`0\.1 \* S @ A`"):
+    prog.loop({S: S + 0.1 * (S @ A), B: B + S @ S @ S})
+  with pytest.raises(ValueError, match=r"in init of T: T is declared "
+                     r"symmetric=True, but this term is not symmetric: `A`"):
+    prog.state("T", (3, 3), init=A, symmetric=True)
+  # Symmetric by form: S S S, X^T X, P Bs P^T (Bs symmetric), a term with its
+  # transpose at the same coefficient, a symmetric constant, zero.
+  X = prog.input("X", (5, 3))
+  Bs = prog.input("Bs", (3, 3), symmetric=True)
+  G = prog.state("G", (3, 3), init=X.T @ X, symmetric=True)
+  Z = prog.state("Z", (3, 3), symmetric=True)
+  sym_const = programs.constant([[1.0, 0.5, 0.0], [0.5, 2.0, 0.0],
+                                 [0.0, 0.0, 1.0]])
+  prog.loop({S: 0.5 * (S @ S @ S) + 0.1 * (S @ A) + 0.1 * (A.T @ S),
+             G: 0.3 * (A @ Bs @ A.T) + 0.1 * sym_const - 0.2 * (X.T @ X),
+             B: B + S @ S @ S, Z: 0})
+  bs = rng.normal(size=(3, 3))
+  _compiled_equals_run(prog, 3, dict(A=a, X=rng.normal(size=(5, 3)) / 2,
+                                     Bs=(bs + bs.T) / 4))
+
+
+def test_encode_and_run_check_a_state_start_value_as_they_check_inputs():
+  prog = programs.Program()
+  A = prog.input("A", (3, 3), symmetric=True)
+  S = prog.state("S", (3, 3), symmetric=True)
+  prog.loop({S: 0.5 * (S @ A @ S)})
+  compiled = programs.compile(prog)
+  rng = np.random.default_rng(3)
+  a, s = rng.normal(size=(3, 3)), rng.normal(size=(3, 3))
+  a = a + a.T
+  for call in (lambda **kw: compiled.encode(A=a, **kw),
+               lambda **kw: programs.run(prog, loops=1, A=a, **kw)):
+    with pytest.raises(ValueError, match=r"S is declared symmetric=True, but "):
+      call(S=s)
+    with pytest.raises(ValueError, match=r"S must have shape \[\.\.\., "):
+      call(S=np.eye(2))
+  with pytest.raises(ValueError, match=r"S has a non-finite entry nan"):
+    compiled.encode(A=a, S=np.full((3, 3), np.nan))
+  with pytest.raises(TypeError, match=r"dtypes \['float32', 'float64'\]"):
+    compiled.encode(A=a, S=np.eye(3, dtype=np.float32))
