@@ -111,6 +111,7 @@ class Block:
   at: tuple[tuple[int, ...], tuple[int, ...]] | None = None
   init: "Expr | None" = None
   program: Any = None
+  starts_at_zero: bool = False  # a state declared init=0: no start value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -741,7 +742,15 @@ RESERVED_NAMES = frozenset({"dtype", "loops", "prog", "self"})
 class Program:
   """A matrix program: inputs, states, runtime scalars and layers (module doc)."""
 
-  def __init__(self):
+  def __init__(self, *, states_start_at_zero: bool = False):
+    """``states_start_at_zero=True``: every state without an ``init`` starts
+    at zero, as if declared ``init=0`` (the user's opt-in to the compact
+    layouts that use a state's cells before its first assignment; ``encode``
+    and ``run`` then take no start value for any state)."""
+    if not isinstance(states_start_at_zero, bool):
+      raise TypeError("programs.Program: states_start_at_zero must be a bool, "
+                      f"got {states_start_at_zero!r}.")
+    self.states_start_at_zero = states_start_at_zero
     self.blocks: dict[str, Block] = {}
     self.scalars: dict[str, Scalar] = {}
     self.stages: list[Stage] = []
@@ -801,8 +810,12 @@ class Program:
             ) -> BlockExpr:
     """A block the layers update, ``[rows, cols]``.
 
-    ``init``: ``None`` (zero, or the value given to ``encode``) or an
-    expression of inputs and scalars, computed by the set-up layer.
+    ``init``: ``None`` (zero, or the value given to ``encode``: the state
+    keeps cells of its own until its first assignment), ``0`` (it starts at
+    zero and takes no start value, so the compiler may use its cells until
+    then: a smaller layout where a first loop iteration also moves the
+    pinned inputs), or an expression of inputs and scalars, computed by the
+    set-up layer.
     ``symmetric=True`` is a promise the compiler relies on (it reads the
     state either way round), so it is proven: the ``init`` here and every
     assignment to the state must be symmetric expressions
@@ -811,17 +824,22 @@ class Program:
     """
     name, shape = self._name(name), self._shape(name, shape)
     self._check_symmetric(name, shape, symmetric)
+    zero = self.states_start_at_zero and init is None
+    if (isinstance(init, numbers.Number) and not isinstance(init, bool)
+        and init == 0):
+      zero, init = True, None
     if init is not None:
       if not isinstance(init, Expr):
         raise TypeError(f"programs: init of {name} must be an expression of "
-                        f"inputs (or None), got {type(init).__name__}.")
+                        f"inputs, 0 or None, got {type(init).__name__}.")
       if init.shape != shape:
         raise ValueError(f"programs: init of {name} has shape "
                          f"{list(init.shape)}, but {name} is {list(shape)}.")
       self._check_terms(init, f"init of {name}", inputs_only=True)
       if symmetric:
         _check_symmetric_value(name, init, f"init of {name}")
-    block = Block(name, shape, "state", symmetric, init=init, program=self)
+    block = Block(name, shape, "state", symmetric, init=init, program=self,
+                  starts_at_zero=zero)
     self.blocks[name] = block
     return BlockExpr(block)
 
@@ -892,7 +910,7 @@ class Program:
     """A copy with the blocks, scalars and layers declared so far; later
     declarations on either do not reach the other. (Blocks and layers are
     immutable, so the copy shares them.)"""
-    copy = Program()
+    copy = Program(states_start_at_zero=self.states_start_at_zero)
     copy.blocks, copy.scalars = dict(self.blocks), dict(self.scalars)
     copy.stages = list(self.stages)
     return copy
