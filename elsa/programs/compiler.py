@@ -179,6 +179,16 @@ class Compiled:
     relocation_layers: 1 if pinned inputs are moved in a layer of their own.
     components: the component kinds of each distinct layer, ``[[str]]``.
     rewrites, layers_per_iteration: what the compiler rewrote (below).
+
+  Non-finite values: the stack keeps blocks apart only in finite arithmetic.
+  A block that overflows to inf (or turns NaN) makes, one layer later, every
+  cell of its token rows NaN (the column mix multiplies it by the zeros of
+  ``D``: ``0 * inf``), inputs included, and the token sums of the layer
+  after carry NaN to every row they write; ``run`` evaluates each block on
+  its own, so its other blocks stay finite. Guarding every layer against
+  it would cost an operation per cell per layer in ``elsa_stack``; it is not
+  done. A NaN anywhere in the stack means some block overflowed: ``run``
+  names which. ``encode`` refuses non-finite values for the same reason.
   """
 
   def __init__(self, prog: Program):
