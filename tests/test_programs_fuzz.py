@@ -237,6 +237,12 @@ def numpy_run(compiled, loops, blocks, scalars):
   return {b.name: np.stack([o[b.name] for o in out]) for b in prog.states}
 
 
+def _read(compiled, hs, name):
+  """``compiled.read`` in numpy (an eager jax gather compiles per shape)."""
+  rows, cols = compiled.layout[name]
+  return np.asarray(hs)[..., np.array(rows)[:, None], np.array(cols)]
+
+
 def numpy_stack(params, h0):
   """``elsa_stack(params, h0, return_all=True)`` in float64 numpy, from the
   formula ``sum_c (h W3 + B3)((h W1 + B1)^T (h W2 + B2))``: no XLA program to
@@ -259,7 +265,7 @@ def assert_stack_equals_numpy_run(compiled, loops, blocks, scalars=None):
   hs = numpy_stack(compiled.params(loops=loops, **scalars),
                    compiled.encode(**blocks))
   for name, want in numpy_run(compiled, loops, blocks, scalars).items():
-    got = np.asarray(compiled.read(hs, name))
+    got = _read(compiled, hs, name)
     for t in range(want.shape[0]):
       assert rel_norm(got[t], want[t]) <= F64_RTOL, (name, t)
 
@@ -307,7 +313,7 @@ def test_random_programs_compile_and_equal_the_interpreter_at_every_layer(
     hs = hs[:layers, :compiled.m, :compiled.n]
     for name, want in ref.items():
       assert np.isfinite(want).all() and np.abs(want).max() < 1e6, (seed, name)
-      got = np.asarray(compiled.read(hs, name))
+      got = _read(compiled, hs, name)
       for t in range(layers):
         assert rel_norm(got[t], want[t]) <= F64_RTOL, (
             f"make_program({seed}): {name} at layer {t}", str(compiled))
@@ -338,23 +344,24 @@ def test_the_fuzz_draws_what_it_claims():
                   "product", "moved"}, seen
 
 
-def compile_times(seeds=range(FUZZ_PROGRAMS)):
-  """Seconds to build and compile each fuzz program (notes/issue-34.md:
-  ``python -c "import sys; sys.path[:0] = ['.', 'tests']; import
-  test_programs_fuzz as f; f.report()"``)."""
+def compile_times(seeds=range(FUZZ_PROGRAMS), max_states: int = 6):
+  """``[(seconds, seed, m)]``: building and compiling each fuzz program."""
   out = []
   for seed in seeds:
     start = time.perf_counter()
-    prog, _, _, _ = make_program(seed)
+    prog, _, _, _ = make_program(seed, max_states)
     compiled = programs.compile(prog)
     out.append((time.perf_counter() - start, seed, compiled.m))
   return out
 
 
-def report(seeds=range(FUZZ_PROGRAMS)):
-  times = compile_times(seeds)
+def report(seeds=range(FUZZ_PROGRAMS), max_states: int = 6):
+  """Prints the median, 99th percentile and worst compile time (the command
+  and figures: notes/issue-34.md)."""
+  times = compile_times(seeds, max_states)
   t = np.array([s for s, _, _ in times])
   worst = max(times)
-  print(f"{len(t)} programs, tokens <= {max(m for _, _, m in times)}: median "
-        f"{np.median(t):.3f} s, 99th percentile {np.percentile(t, 99):.3f} s, "
-        f"worst {worst[0]:.3f} s (seed {worst[1]})")
+  print(f"{len(t)} programs of 2 to {max_states} states, tokens <= "
+        f"{max(m for _, _, m in times)}: median {np.median(t):.3f} s, 99th "
+        f"percentile {np.percentile(t, 99):.3f} s, worst {worst[0]:.3f} s "
+        f"(seed {worst[1]}, {worst[2]} tokens)")
