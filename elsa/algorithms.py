@@ -288,7 +288,10 @@ def third_order(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1,
                              n_out=n_out)
   N = n_train
   lam, alpha = prog.scalar("lam"), prog.scalar("alpha")
-  M = prog.state("M", (d, d), init=alpha * programs.eye(d), symmetric=True)
+  # M is symmetric too (a polynomial in A), but only because M and R
+  # commute, which the compiler cannot prove from M + M R + M R^2; no term
+  # reads M transposed, so it is declared general.
+  M = prog.state("M", (d, d), init=alpha * programs.eye(d))
   R = prog.state("R", (d, d), symmetric=True,
                  init=(1 - alpha * lam) * programs.eye(d)
                  - (alpha / N) * (X.T @ X))

@@ -528,3 +528,18 @@ def test_a_depth_that_cannot_fit_is_refused_before_allocation(build):
   # On main these returned at once and blocked, or failed, only when read.
   with pytest.raises(ValueError, match=r"need at least .* GiB, more than"):
     build()
+
+
+@pytest.mark.parametrize("form", [elsa.forms.Natural, elsa.forms.Designed,
+                                  elsa.forms.Newton])
+def test_a_form_larger_than_memory_is_refused_before_its_program_is_built(
+    form):
+  """Issue 33 (N1): ``Natural(n_train=10**9, d=10**4).gd_params`` grew past
+  10 GB for minutes (the program pins every row)."""
+  big = form(n_train=10 ** 9, d=10 ** 4)
+  with pytest.raises(ValueError, match=rf"^{form.__name__}: n_train=10+, "
+                     r"d=10000, .* need at least .* GiB"):
+    if form is elsa.forms.Newton:
+      big.newton_params(lam=0.1, alpha=0.1, depth=1)
+    else:
+      big.gd_params(lam=0.1, eta=0.1, depth=1)

@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 import elsa
 from elsa import programs, ridge
 from helpers import rel_norm as rel
+from test_programs_fuzz import assert_stack_equals_numpy_run, numpy_stack
 
 F64_RTOL = 1e-10
 F32_EPS = float(np.finfo(np.float32).eps)
@@ -885,8 +886,7 @@ def test_natural_ridge_gd_compiles_to_the_natural_form_exactly():
   ref = programs.run(prog, loops=L, X=x, y=yv, Xq=xq, lam=lam, eta=eta)
   assert_every_layer(compiled, hs, ref, F64_RTOL, skip_layers={"Xq": 1})
   # The first iteration meets the queries in X's columns, where p is zero.
-  with pytest.raises(ValueError, match=r"p starts at zero: the compact "
-                     r"layout uses its cells"):
+  with pytest.raises(ValueError, match=r"p starts at zero \(declared init=0"):
     compiled.encode(X=x, y=yv, Xq=xq, p=np.ones((Q, 1)))
 
 
@@ -1032,8 +1032,10 @@ def natural_programs(draw):
   X = prog.input("X", (N, d), at=(range(N), range(d)))
   y = prog.input("y", (N, 1), at=(range(N), [d]))
   Xq = prog.input("Xq", (Q, d), at=(range(N, N + Q), range(d)))
-  w, Xw, p = (prog.state(n, s) for n, s in (("w", (d, 1)), ("Xw", (N, 1)),
-                                            ("p", (Q, 1))))
+  # init=0: they start at zero (no start value), so the first iteration may
+  # move the queries while they are still zero.
+  w, Xw, p = (prog.state(n, s, init=0) for n, s in (
+      ("w", (d, 1)), ("Xw", (N, 1)), ("p", (Q, 1))))
   s = prog.scalar("s")
   skips = [1 - 0.3 * s, 1 - 0.3 * s, 0.5]
   menu = {w: [X.T @ y, X.T @ Xw], Xw: [X @ X.T @ y, X @ X.T @ Xw, X @ w],
@@ -1180,3 +1182,244 @@ def test_programs_needing_no_rewrite_keep_their_layers(case):
   assert compiled.rewrites == () and compiled.layers_per_iteration == [1]
   once = len(prog.stages) - 1 + (prog.init_stage() is not None)
   assert compiled.layers(loops) == once + loops + compiled.relocation_layers
+
+
+# --- issue 34: every promise checked ---------------------------------------------
+
+
+def _compiled_equals_run(prog, loops, blocks, scalars=None, rtol=F64_RTOL):
+  """Compiles ``prog`` and checks every block at every layer against ``run``;
+  returns the compiled program."""
+  scalars = scalars or {}
+  compiled = programs.compile(prog)
+  hs = elsa.elsa_stack(compiled.params(loops=loops, **scalars),
+                       compiled.encode(**blocks), return_all=True)
+  ref = programs.run(prog, loops=loops, **blocks, **scalars)
+  assert_every_layer(compiled, hs, ref, rtol)
+  return compiled
+
+
+def test_a_symmetric_state_must_be_proven_symmetric_from_its_init_and_update():
+  """The red team's reproducer: ``S + 0.1 S A`` is not symmetric, and the
+  stack read ``S`` transposed where ``run`` did not (B off by 22%, silently).
+  Now refused naming the statement; symmetric updates compile and are exact."""
+  rng = np.random.default_rng(34)
+  a = rng.normal(size=(3, 3)) / 2
+  prog = programs.Program()
+  A = prog.input("A", (3, 3))
+  S = prog.state("S", (3, 3), init=programs.eye(3), symmetric=True)
+  B = prog.state("B", (3, 3))
+  with pytest.raises(ValueError, match=r"in loop 1, S = \.\.\.: S is declared "
+                     r"symmetric=True, but this term is not symmetric: "
+                     r"`0\.1 \* S @ A`"):
+    prog.loop({S: S + 0.1 * (S @ A), B: B + S @ S @ S})
+  with pytest.raises(ValueError, match=r"in init of T: T is declared "
+                     r"symmetric=True, but this term is not symmetric: `A`"):
+    prog.state("T", (3, 3), init=A, symmetric=True)
+  # Symmetric by form: S S S, X^T X, P Bs P^T (Bs symmetric), a term with its
+  # transpose at the same coefficient, a symmetric constant, zero.
+  X = prog.input("X", (5, 3))
+  Bs = prog.input("Bs", (3, 3), symmetric=True)
+  G = prog.state("G", (3, 3), init=X.T @ X, symmetric=True)
+  Z = prog.state("Z", (3, 3), symmetric=True)
+  sym_const = programs.constant([[1.0, 0.5, 0.0], [0.5, 2.0, 0.0],
+                                 [0.0, 0.0, 1.0]])
+  prog.loop({S: 0.5 * (S @ S @ S) + 0.1 * (S @ A) + 0.1 * (A.T @ S),
+             G: 0.3 * (A @ Bs @ A.T) + 0.1 * sym_const - 0.2 * (X.T @ X),
+             B: B + S @ S @ S, Z: 0})
+  bs = rng.normal(size=(3, 3))
+  assert_stack_equals_numpy_run(programs.compile(prog), 3, dict(
+      A=a, X=rng.normal(size=(5, 3)) / 2, Bs=(bs + bs.T) / 4))
+
+
+def test_encode_and_run_check_a_state_start_value_as_they_check_inputs():
+  prog = programs.Program()
+  A = prog.input("A", (3, 3), symmetric=True)
+  S = prog.state("S", (3, 3), symmetric=True)
+  prog.loop({S: 0.5 * (S @ A @ S)})
+  compiled = programs.compile(prog)
+  rng = np.random.default_rng(3)
+  a, s = rng.normal(size=(3, 3)), rng.normal(size=(3, 3))
+  a = a + a.T
+  for call in (lambda **kw: compiled.encode(A=a, **kw),
+               lambda **kw: programs.run(prog, loops=1, A=a, **kw)):
+    with pytest.raises(ValueError, match=r"S is declared symmetric=True, but "):
+      call(S=s)
+    with pytest.raises(ValueError, match=r"S must have shape \[\.\.\., "):
+      call(S=np.eye(2))
+  with pytest.raises(ValueError, match=r"S has a non-finite entry nan"):
+    compiled.encode(A=a, S=np.full((3, 3), np.nan))
+  with pytest.raises(TypeError, match=r"dtypes \['float32', 'float64'\]"):
+    compiled.encode(A=a, S=np.eye(3, dtype=np.float32))
+
+
+# --- issue 34: every valid program compiles ----------------------------------------
+
+
+def test_the_two_please_report_programs_compile_and_equal_run_at_every_layer():
+  """Both were refused with "please report this program": codegen summed
+  components equal in their first two factors whose scaled leaf was the
+  first (the coefficients moved there), dropping the third factor of all but
+  one (``W2`` of ``v1`` or of ``s2``)."""
+  rng = np.random.default_rng(341)
+  prog = programs.Program()
+  A0, X = prog.input("A0", (4, 4)), prog.input("X", (10, 4))
+  A = prog.state("A", (4, 4), init=A0)
+  v0, v1 = prog.state("v0", (4, 1)), prog.state("v1", (4, 1))
+  prog.loop({A: 1.5 * A - 0.5 * (A @ A @ A),
+             v0: v0 + 0.01 * (A @ v0) - 0.1 * (X.T @ X @ v0),
+             v1: v1 + 0.01 * (A @ v1) - 0.1 * (X.T @ X @ v1)})
+  compiled = _compiled_equals_run(prog, 3, dict(
+      A0=rng.normal(size=(4, 4)) / 3, X=rng.normal(size=(10, 4)) / 3,
+      v0=rng.normal(size=(4, 1)), v1=rng.normal(size=(4, 1))))
+  assert "layout:" not in str(compiled)  # the compact layout, no fallback
+  prog = programs.Program()
+  I1 = prog.input("I1", (4, 4))
+  s0, s1, s2 = (prog.state("s0", (3, 4)), prog.state("s1", (3, 3)),
+                prog.state("s2", (3, 4)))
+  c0 = prog.scalar("c0")
+  prog.layer({s1: (0.294 * c0) * (s0 @ s2.T) + 0.089 * (s0 @ s2.T),
+              s2: (-0.282 * c0) * (s0 @ I1.T) - 0.275 * (s2 @ I1.T)})
+  _compiled_equals_run(prog, 1, dict(I1=rng.normal(size=(4, 4)),
+                                     s0=rng.normal(size=(3, 4)),
+                                     s2=rng.normal(size=(3, 4))), dict(c0=0.7))
+
+
+def test_a_term_written_twice_for_one_block_counts_twice():
+  """Found by the fuzz: two equal terms of one block joined their first
+  factors as a union of equal selectors, so the term counted once."""
+  rng = np.random.default_rng(1)
+  prog = programs.Program()
+  S = prog.state("S", (2, 2), symmetric=True)
+  prog.loop({S: 0.5 * S + 0.3 * (S @ S @ S) + 0.3 * (S @ S @ S)})
+  s = rng.normal(size=(2, 2)) / 2
+  compiled = programs.compile(prog)
+  assert_stack_equals_numpy_run(compiled, 3, dict(S=s + s.T))
+  assert "layout:" not in str(compiled)
+
+
+def test_a_layer_whose_merged_components_fail_the_check_falls_back(
+    monkeypatch):
+  """A merge rule that is wrong (here: one that drops a component) is never
+  used: the layer check rejects it and every term keeps a component of its
+  own, exact, and ``print(compiled)`` says so."""
+  from elsa.programs import codegen
+  merged = codegen._merged  # pylint: disable=protected-access
+  monkeypatch.setattr(codegen, "_merged", lambda parts: merged(parts)[:-1])
+  compiled = programs.compile(_warm_start_program(6, 2, 2))
+  assert ("layout: plain layout, one component per term: the merged "
+          "components failed the layer check") in str(compiled)
+  rng = np.random.default_rng(5)
+  assert_stack_equals_numpy_run(compiled, 3, dict(
+      X=rng.normal(size=(6, 2)), y=rng.normal(size=(6, 1)),
+      Xq=rng.normal(size=(2, 2)), w=rng.normal(size=(2, 1))),
+                                dict(lam=0.1, eta=0.1))
+
+
+def test_the_column_sharing_search_stops_at_its_budget(monkeypatch):
+  """Past its budget the search keeps the best layout found (verified), and
+  ``print(compiled)`` says it stopped; the budget is documented."""
+  from elsa import algorithms
+  from elsa.programs import compact
+  prog = algorithms.ridge_gd(n_train=6, d=2, n_query=2)
+  assert programs.compile(prog).n == 6  # w, r, p share a column
+  monkeypatch.setattr(compact, "SHARE_BUDGET", 1)
+  compiled = programs.compile(prog)
+  assert ("layout: the column-sharing search stopped at its budget of 1 "
+          "candidate layouts") in str(compiled)
+  assert compiled.n == 7  # one share made, the second not tried
+  rng = np.random.default_rng(2)
+  assert_stack_equals_numpy_run(compiled, 3, dict(
+      X=rng.normal(size=(6, 2)), y=rng.normal(size=(6, 1)),
+      Xq=rng.normal(size=(2, 2))), dict(lam=0.1, eta=0.1))
+
+
+# --- issue 34: warm starts ------------------------------------------------------
+
+
+def _warm_start_program(N, d, Q, start=None, **program):
+  """GD with its residual from the natural tokens, ``w``, ``r`` and ``p``
+  states without an ``init`` (``start=0``: declared ``init=0``)."""
+  prog = programs.Program(**program)
+  X = prog.input("X", (N, d), at=(range(N), range(d)))
+  y = prog.input("y", (N, 1), at=(range(N), range(d, d + 1)))
+  Xq = prog.input("Xq", (Q, d), at=(range(N, N + Q), range(d)))
+  w, r, p = (prog.state(name, shape, init=start) for name, shape in
+             (("w", (d, 1)), ("r", (N, 1)), ("p", (Q, 1))))
+  lam, eta = prog.scalar("lam"), prog.scalar("eta")
+  prog.loop({w: (1 - eta * lam) * w + (eta / N) * (X.T @ r),
+             r: (1 - eta * lam) * r + (eta * lam) * y - (eta / N) * (X @ X.T @ r),
+             p: (1 - eta * lam) * p + (eta / N) * (Xq @ X.T @ r)})
+  return prog
+
+
+def test_a_state_that_takes_a_start_value_keeps_its_cells():
+  """The regression: ``encode`` refused ``r`` (and ``w``, ``p``) because the
+  compact layout used their cells in the first iteration, where the queries
+  still sit in X's columns. A state without ``init`` now keeps its cells
+  until its first assignment (the move takes a layer of its own), and the
+  warm start is exact; ``init=0`` or ``Program(states_start_at_zero=True)``
+  gets the smaller stack back and refuses a start value."""
+  N, d, Q, L = 8, 3, 2, 4
+  rng = np.random.default_rng(34)
+  x, yv, xq, w0 = (rng.normal(size=(N, d)), rng.normal(size=(N, 1)),
+                   rng.normal(size=(Q, d)), rng.normal(size=(d, 1)))
+  inputs = dict(X=x, y=yv, Xq=xq)
+  warm = dict(w=w0, r=yv - x @ w0, p=xq @ w0)
+  scalars = dict(lam=0.1, eta=0.3)
+  prog = _warm_start_program(N, d, Q)
+  compiled = programs.compile(prog)
+  assert compiled.relocation_layers == 1 and "start at zero" not in str(compiled)
+  assert_stack_equals_numpy_run(compiled, L, {**inputs, **warm}, scalars)
+  hs = numpy_stack(compiled.params(loops=L, **scalars),
+                   compiled.encode(**inputs, **warm))
+  want = ridge.gd(x, yv, lam=0.1, eta=0.3, steps=L, w0=w0)
+  assert rel(compiled.read(hs, "w")[1:], want) < F64_RTOL
+  for zero in (_warm_start_program(N, d, Q, start=0),
+               _warm_start_program(N, d, Q, states_start_at_zero=True)):
+    small = programs.compile(zero)
+    assert small.layers(L) == compiled.layers(L) - 1 and small.n <= compiled.n
+    assert "moved home by the first iteration of the loop" in str(small)
+    with pytest.raises(ValueError, match=r"r starts at zero \(declared init=0"):
+      small.encode(**inputs, r=warm["r"])
+  assert_stack_equals_numpy_run(small, L, inputs, scalars)
+
+
+# --- issue 34: dtype and overflow; issue 33: sizes refused before allocation ---------
+
+
+def test_params_takes_the_dtype_of_the_tokens_encode_made():
+  """float32 tokens with Python-float scalars under x64: ``params`` used to
+  build float64 leaves, which ``elsa_stack`` refused."""
+  from test_programs_fuzz import numpy_run
+  L = 3
+  compiled = programs.compile(_warm_start_program(6, 2, 2))
+  rng = np.random.default_rng(8)
+  blocks = dict(X=rng.normal(size=(6, 2)), y=rng.normal(size=(6, 1)),
+                Xq=rng.normal(size=(2, 2)))
+  h0 = compiled.encode(**{k: v.astype(np.float32) for k, v in blocks.items()})
+  params = compiled.params(loops=L, lam=0.1, eta=0.05)
+  assert params.w1.dtype == h0.dtype == jnp.float32
+  hs = elsa.elsa_stack(params, h0, return_all=True)
+  ref = numpy_run(compiled, L, blocks, dict(lam=0.1, eta=0.05))
+  assert rel(compiled.read(hs, "w"), ref["w"]) < 2e-5
+  assert compiled.params(loops=1, lam=0.1, eta=0.05,
+                         dtype=jnp.float64).w1.dtype == jnp.float64
+
+
+@pytest.mark.parametrize("loops", [10 ** 8, 10 ** 9])
+def test_params_refuses_a_stack_larger_than_memory_before_allocating(loops):
+  compiled = programs.compile(_warm_start_program(6, 2, 2))
+  with pytest.raises(ValueError, match=rf"^Compiled\.params: loops={loops}, "
+                     rf"layers={loops + 1}, .* need at least .* GiB"):
+    compiled.params(loops=loops, lam=0.1, eta=0.1)
+
+
+def test_compile_refuses_a_program_larger_than_memory_before_allocating():
+  prog = programs.Program()
+  X = prog.input("X", (10 ** 6, 10 ** 6))
+  w = prog.state("w", (10 ** 6, 1))
+  prog.loop({w: X @ w})
+  with pytest.raises(ValueError, match=r"^programs\.compile: tokens m >=="
+                     r"1000000, features n >==1000001 need at least"):
+    programs.compile(prog)

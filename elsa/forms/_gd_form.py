@@ -32,6 +32,8 @@ derives the components the compiler emits.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
@@ -81,6 +83,10 @@ class GDForm(TokenForm):
 
   # --- the program ------------------------------------------------------------
 
+  # Whether the form starts from w0 = 0 (its program's states init=0), set
+  # by the subclass.
+  _starts_at_zero: ClassVar[bool] = False
+
   @property
   def _query_columns(self) -> slice:
     """The columns where :meth:`encode` puts the queries (set by the subclass)."""
@@ -105,8 +111,11 @@ class GDForm(TokenForm):
     prog = programs.Program()
     X = prog.input("X", (N, d), at=(range(N), cols(self.x_cols)))
     y = prog.input("y", (N, k), at=(range(N), cols(self.y_cols)))
-    w = prog.state("w", (d, k))
-    Xw = prog.state("Xw", (N, k))
+    # A form that starts from w0 = 0 says so (init=0): its first iteration
+    # may then move the queries while w, Xw and p are still zero.
+    start = 0 if self._starts_at_zero else None
+    w = prog.state("w", (d, k), init=start)
+    Xw = prog.state("Xw", (N, k), init=start)
     lam, eta = prog.scalar("lam"), prog.scalar("eta")
     decay = 1 - eta * lam
     body = {w: decay * w + (eta / N) * (X.T @ y - X.T @ Xw),
@@ -114,7 +123,7 @@ class GDForm(TokenForm):
     if Q:
       Xq = prog.input("Xq", (Q, d), at=(range(self.m)[self.query_rows],
                                         cols(self._query_columns)))
-      p = prog.state("p", (Q, k))
+      p = prog.state("p", (Q, k), init=start)
       body[p] = decay * p + (eta / N) * (Xq @ X.T @ y - Xq @ X.T @ Xw)
     prog.loop(body)
     return prog

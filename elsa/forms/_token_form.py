@@ -24,9 +24,21 @@ from elsa.attention import Array, ElsaParams
 from elsa._validate import float_dtype
 
 
+# Bytes the compiler holds per token cell at least (elsa.programs.layout).
+_CELL_BYTES = 72
+
+
 @functools.lru_cache(maxsize=None)
 def _compile(form: "TokenForm") -> programs.Compiled:
-  """The form's program compiled once per form (forms hash by value)."""
+  """The form's program compiled once per form (forms hash by value).
+
+  Refused before the program is built (its pinned inputs list every row) if
+  the compiler's ``m x n`` tables cannot fit the devices' memory.
+  """
+  _validate.fits_memory(
+      type(form).__name__, _CELL_BYTES * form.m * form.n,
+      {"n_train": form.n_train, "d": form.d, "n_query": form.n_query,
+       "n_out": form.n_out, "m": form.m, "n": form.n})
   return programs.compile(form.program)
 
 

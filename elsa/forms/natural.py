@@ -71,6 +71,8 @@ class Natural(GDForm):
     x, y, x_query, _ = self._check_inputs(x, y, x_query)
     return self._jit("encode", "_initial_state", x, y, x_query)
 
+  _starts_at_zero = True
+
   @property
   def _query_columns(self) -> slice:
     return self.x_cols

@@ -145,16 +145,18 @@ class Newton(TokenForm):
     X = prog.input("X", (N, d), at=(range(N), self.x_cols))
     y = prog.input("y", (N, k), at=(range(N), self.y_cols))
     lam, alpha = prog.scalar("lam"), prog.scalar("alpha")
-    A = prog.state("A", (d, d), symmetric=True)
-    M = prog.state("M", (d, d), symmetric=True)
-    w = prog.state("w", (d, k))
+    # Every state starts at zero (encode takes none), so the layout may use
+    # their cells before the set-up layers assign them.
+    A = prog.state("A", (d, d), init=0, symmetric=True)
+    M = prog.state("M", (d, d), init=0, symmetric=True)
+    w = prog.state("w", (d, k), init=0)
     moves = {}
     setup = {A: X.T @ X / N + lam * programs.eye(d),
              M: alpha * programs.eye(d), w: (alpha / N) * (X.T @ y)}
     step = {M: 2 * M - M @ A @ M, w: w + (1 / N) * (M @ X.T @ y) - M @ A @ w}
     if Q:
       Xq = prog.input("Xq", (Q, d), at=(self.query_rows, self.x_cols))
-      U, p = prog.state("U", (Q, d)), prog.state("p", (Q, k))
+      U, p = prog.state("U", (Q, d), init=0), prog.state("p", (Q, k), init=0)
       moves[U] = alpha * Xq
       setup[p] = (1 / N) * (U @ X.T @ y)
       step.update({U: 2 * U - U @ A @ M,

@@ -342,12 +342,16 @@ def _agrees(mix: _Mix, fixed: np.ndarray, want: _Mix, present) -> bool:
 # --- the layer --------------------------------------------------------------------
 
 
-def components(step: Step, layout: Layout, zero=frozenset()) -> list[Component]:
+def components(step: Step, layout: Layout, zero=frozenset(), *,
+               merge: bool = True) -> list[Component]:
   """The components of one planned layer: the column mix first, then the
   constant, the products and the corrections.
 
   ``zero``: blocks known to be zero before the layer (zero-initialised states
   not yet written), whose cells the column mix may leave to other blocks.
+  ``merge=False``: every term its own component and the constants one of
+  their own (no merging, no hosting): the compiler's last resort, where a
+  merged layer fails the layer check (:func:`elsa.programs.compact.compact`).
   """
   m, n = layout.m, layout.n
   before, after = step.before, step.after
@@ -368,8 +372,8 @@ def components(step: Step, layout: Layout, zero=frozenset()) -> list[Component]:
     part = _product(c, target, before, m, n)
     part.targets = frozenset([block.name])
     out.append(part)
-  rest = _merged(out + mix[1:])
-  if constant.parts:
+  rest = _merged(out + mix[1:]) if merge else out + mix[1:]
+  if constant.parts and merge:
     # A product hosts the constant in r inner columns of its own; the mix
     # would widen to n + r, and with it every component of the stack.
     if _host_constant(rest, constant, seen, m, n):
@@ -497,6 +501,11 @@ def _merged(parts: list[Component]) -> list[Component]:
   for part in kept.values():
     key = (_key(part, _SECOND), _parts_key(part))
     same = joined.get(key)
+    if same is not None and same.targets & part.targets:
+      # The same term twice for one block: a union of equal selectors would
+      # count it once; the parts add below instead.
+      joined[key, id(part)] = part
+      continue
     if same is None:
       joined[key] = part
       continue
@@ -509,8 +518,11 @@ def _merged(parts: list[Component]) -> list[Component]:
     same.targets |= part.targets
   summed = {}
   for part in _rescaled(list(joined.values())):
-    key = (part.scaled, _key(part, _FIRST + _SECOND)) if not part.extra else id(
-        part)
+    # Every fixed leaf equal, the scaled one in any factor: the parts add
+    # (a rescaled component scales its first factor, so its third, ``W2``,
+    # must be equal too).
+    key = (part.scaled, _key(part, _FIRST + _SECOND + _THIRD)
+           ) if not part.extra else id(part)
     same = summed.get(key)
     if same is None:
       summed[key] = part

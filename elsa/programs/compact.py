@@ -45,6 +45,29 @@ from elsa.programs.layout import Layout, Placement, Step, placed
 # order-one values is ~1e-15, a wrong cell is off by order one.
 _TOL = 1e-9
 
+# The column-sharing search builds and plans at most this many candidate
+# layouts per compile (each one: every layer generated, or the widest until
+# one exceeds the current width, and checked); past it the best layout found
+# so far is taken. Without a bound the greedy search with its one-share
+# look-ahead is quartic in the number of column classes: small programs of
+# many one-column blocks took minutes. BUILD_NOTES, "Compile time", gives the
+# measured times.
+SHARE_BUDGET = 64
+
+
+class _Budget:
+  """Candidate layouts left to the column-sharing search."""
+
+  def __init__(self, candidates: int):
+    self.left = candidates
+
+  def spend(self) -> bool:
+    """Takes one candidate; ``False`` once none is left."""
+    if self.left <= 0:
+      return False
+    self.left -= 1
+    return True
+
 
 def zero_sets(prog: Program, steps: list[Step]) -> list[frozenset]:
   """States known to be zero before each step: not assigned by an earlier
@@ -61,11 +84,12 @@ def zero_sets(prog: Program, steps: list[Step]) -> list[frozenset]:
 
 
 def _zeros(prog: Program, steps: list[Step]) -> list[frozenset]:
-  """The zeros a layer may use: in the first loop iteration every state not
-  yet assigned, elsewhere the states that are assigned before any layer
-  reads them (their start value reaches no block). So a program keeps
-  taking start values for the states whose start matters, unless the first
-  iteration's move needs them zero."""
+  """The zeros a layer may use: the states not yet assigned that are assigned
+  before any layer reads them (their start value reaches no block), and, in
+  the first loop iteration, those the program says start at zero (``init=0``
+  or ``Program(states_start_at_zero=True)``). So every state whose start
+  value matters keeps cells of its own until its first assignment, and
+  ``encode`` takes a start value for it (a warm start)."""
   first_write, first_read = {}, {}
   for i, s in enumerate(steps):
     for block, expr in s.stage.assignments:
@@ -76,7 +100,8 @@ def _zeros(prog: Program, steps: list[Step]) -> list[frozenset]:
             first_read.setdefault(f.block.name, i)
   unread = {name for name, i in first_write.items()
             if first_read.get(name, len(steps)) > i}
-  return [zero if s.first_iteration else zero & unread
+  declared = {b.name for b in prog.states if b.starts_at_zero}
+  return [zero & (unread | declared) if s.first_iteration else zero & unread
           for s, zero in zip(steps, zero_sets(prog, steps))]
 
 
@@ -98,13 +123,13 @@ def check(prog: Program, step: Step, parts, layout: Layout, zero,
   h = np.zeros((m, n))
   for name, p in step.before.items():
     if name not in zero:
-      h[np.ix_(p.rows, p.cols)] = values[name]
+      h[codegen._grid(p.rows, p.cols)] = values[name]
   new = {**values, **step.stage.values(values, scalars)}
   want = np.zeros((m, n))
   owner = np.full((m, n), "a cell of no block", dtype=object)
   for name, p in step.after.items():
-    want[np.ix_(p.rows, p.cols)] = new[name]
-    owner[np.ix_(p.rows, p.cols)] = name
+    want[codegen._grid(p.rows, p.cols)] = new[name]
+    owner[codegen._grid(p.rows, p.cols)] = name
   got = codegen.apply(parts, h, scalars)
   scale = max(1.0, np.abs(want).max(), np.abs(got).max())
   wrong = np.abs(got - want) > _TOL * scale
@@ -117,10 +142,11 @@ def _steps(steps: list[Step], start: dict, home: dict) -> list[Step]:
           for i, s in enumerate(steps)]
 
 
-def _plan(prog, layout, steps, zeros, width=None, order=None):
+def _plan(prog, layout, steps, zeros, width=None, order=None, merge=True):
   """Components of every step; ``None`` if a layer is not exact or (with
   ``width``) takes more components than that. ``zeros``: :func:`_zeros` of
-  ``steps`` (placements do not change it).
+  ``steps`` (placements do not change it); ``merge``: as in
+  :func:`elsa.programs.codegen.components`.
 
   ``order``: the steps to generate first (the widest of the current plans,
   the likeliest to exceed ``width``): a layer over ``width`` rejects the
@@ -128,7 +154,7 @@ def _plan(prog, layout, steps, zeros, width=None, order=None):
   """
   out = [None] * len(steps)
   for i in order or range(len(steps)):
-    out[i] = codegen.components(steps[i], layout, zeros[i])
+    out[i] = codegen.components(steps[i], layout, zeros[i], merge=merge)
     if width is not None and len(out[i]) > width:
       return None
   for step, parts, zero in zip(steps, out, zeros):
@@ -176,19 +202,21 @@ def _pinned(layout: Layout, name: str) -> bool:
   return name in layout.pinned
 
 
-def _share_columns(prog, layout, steps, plans):
+def _share_columns(prog, layout, steps, plans, budget: _Budget):
   """Greedy: share the widest columns first, keep a share only if every
   layer stays exact and none gets more components. In each round the first
   share that saves components is kept; if none does, the first after which
   a further share saves some, else the first that costs none (at d = 1 every
   block of Newton–Schulz is one column wide: `A`/`p` comes first in column
   order and saves nothing, `w`/`p` saves nothing alone but lets `M`/`U`
-  save the loop layer two components)."""
+  save the loop layer two components). Each candidate layout planned takes
+  one of ``budget``; once it is spent, the layout kept so far is the
+  answer (every layout kept was verified)."""
   zeros = _zeros(prog, steps)
   while True:
     current = (layout, steps, plans)
     candidates = []
-    for found in _shares(prog, current, zeros):
+    for found in _shares(prog, current, zeros, budget):
       if _total(found[2]) < _total(plans):
         candidates = [found]
         break
@@ -198,12 +226,13 @@ def _share_columns(prog, layout, steps, plans):
     layout, steps, plans = next(
         (c for c in candidates if len(candidates) > 1 and any(
             _total(after[2]) < _total(plans) for after in _shares(
-                prog, c, zeros))), candidates[0])
+                prog, c, zeros, budget))), candidates[0])
 
 
-def _shares(prog, current, zeros):
+def _shares(prog, current, zeros, budget: _Budget):
   """The layouts one share away from ``current = (layout, steps, plans)``
-  that stay exact without more components: ``(layout, steps, plans)``."""
+  that stay exact without more components: ``(layout, steps, plans)``; none
+  once ``budget`` is spent."""
   layout, steps, plans = current
   # Rows per column class at home: of every block (rows_at) and of the
   # blocks a share moves (moving_rows). A share that moves a block onto
@@ -223,6 +252,8 @@ def _shares(prog, current, zeros):
     shared = _share(layout, a, b)
     if shared is None:
       continue
+    if not budget.spend():
+      return
     new_steps = _steps(steps, shared.start, shared.home)
     new_plans = _plan(prog, shared, new_steps, zeros, width=_cost(plans),
                       order=widest)
@@ -264,35 +295,67 @@ def _renumbered(layout: Layout) -> Layout:
 
 
 def compact(prog: Program, layout: Layout, steps: list[Step],
-            stages: list[Stage]):
+            stages: list[Stage], *, budget: int | None = None):
   """The compact layout of a solved program (module doc).
+
+  Every layer of the layout returned passed :func:`check`. Where the merged
+  components of the solved (plain) layout fail it, every term keeps a
+  component of its own there (``codegen.components(merge=False)``); where
+  the compact layout fails it, the plain layout is kept. Either is noted in
+  ``Layout.fallback`` (``print(compiled)`` shows it). ``budget``: candidate
+  layouts the column-sharing search may plan (:data:`SHARE_BUDGET`).
 
   Returns ``(layout, steps, stages, parts)``: ``parts`` the components of
   every step; ``stages`` without the relocation stage if the first loop
   iteration took it over.
 
   Raises:
-    ValueError: a layer of the solved layout is not exact (a bug: the
-      message names the layer and the blocks).
+    ValueError: not even one component per term is exact on the plain
+      layout (a bug of the compiler: the message names the layer and the
+      blocks).
   """
+  budget = SHARE_BUDGET if budget is None else budget
   zeros = _zeros(prog, steps)
   plans = _plan(prog, layout, steps, zeros)
   if plans is None:
-    for step, zero in zip(steps, zeros):
-      wrong = check(prog, step, codegen.components(step, layout, zero), layout,
-                    zero)
-      if wrong:
-        raise ValueError(f"programs: the layer of {step.stage.label} is not "
-                         f"exact on the cells of {wrong}; please report this "
-                         "program.")
-  layout, steps, plans = _share_columns(prog, layout, steps, plans)
+    plans = _plan(prog, layout, steps, zeros, merge=False)
+    if plans is None:
+      for step, zero in zip(steps, zeros):
+        wrong = check(prog, step, codegen.components(step, layout, zero,
+                                                     merge=False), layout, zero)
+        if wrong:
+          raise ValueError(f"programs: the layer of {step.stage.label} is not "
+                           f"exact on the cells of {wrong}, even with one "
+                           "component per term; please report this program.")
+    note = ("plain layout, one component per term: the merged components "
+            "failed the layer check")
+    return _finished(prog, dataclasses.replace(layout, fallback=note), steps,
+                     stages, plans)
+  plain = (layout, steps, stages, plans)
+  spent = _Budget(budget)
+  layout, steps, plans = _share_columns(prog, layout, steps, plans, spent)
   layout, steps, stages, plans = _peel(prog, layout, steps, stages, plans)
   if layout.peeled:  # the first iteration may allow shares the move did not
-    layout, steps, plans = _share_columns(prog, layout, steps, plans)
+    layout, steps, plans = _share_columns(prog, layout, steps, plans, spent)
   layout = _renumbered(layout)
   steps = _steps(steps, layout.start, layout.home)
-  plans = [codegen.components(s, layout, z)
-           for s, z in zip(steps, _zeros(prog, steps))]
+  zeros = _zeros(prog, steps)
+  plans = [codegen.components(s, layout, z) for s, z in zip(steps, zeros)]
+  if any(check(prog, s, p, layout, z)
+         for s, p, z in zip(steps, plans, zeros)):
+    layout, steps, stages, plans = plain
+    layout = dataclasses.replace(
+        layout, fallback="plain layout: no compact layout passed the layer "
+        "check")
+  elif spent.left <= 0:
+    layout = dataclasses.replace(
+        layout, fallback=f"the column-sharing search stopped at its budget "
+        f"of {budget} candidate layouts; the best layout found is used")
+  return _finished(prog, layout, steps, stages, plans)
+
+
+def _finished(prog, layout, steps, stages, plans):
+  """``compact``'s result, with the states whose zeros a layer uses."""
   return (dataclasses.replace(layout, zero_start=_zero_start(
       prog, layout, steps, plans)), steps, stages, plans)
 

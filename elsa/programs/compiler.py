@@ -14,6 +14,7 @@ kinds of every layer.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -144,6 +145,16 @@ def _solve(prog: Program):
   return plan, layout, steps, stages, units, parts
 
 
+def _no_start_value(prog: Program, name: str, fn: str) -> None:
+  """``ValueError`` if ``name`` is a state the program says starts at zero
+  (``init=0``, or ``Program(states_start_at_zero=True)``)."""
+  if prog.blocks[name].starts_at_zero:
+    raise ValueError(f"{fn}: {name} starts at zero (declared init=0, or the "
+                     "program's states_start_at_zero=True), so the layout may "
+                     "use its cells before its first assignment; do not pass "
+                     "it, or declare it without init=0 to give a start value.")
+
+
 def _no_layers(stages, loops: int, fn: str, peeled: bool) -> None:
   """``ValueError`` if ``loops`` iterations leave the program without a layer,
   or without the first iteration that moves the pinned inputs home
@@ -168,6 +179,16 @@ class Compiled:
     relocation_layers: 1 if pinned inputs are moved in a layer of their own.
     components: the component kinds of each distinct layer, ``[[str]]``.
     rewrites, layers_per_iteration: what the compiler rewrote (below).
+
+  Non-finite values: the stack keeps blocks apart only in finite arithmetic.
+  A block that overflows to inf (or turns NaN) makes, one layer later, every
+  cell of its token rows NaN (the column mix multiplies it by the zeros of
+  ``D``: ``0 * inf``), inputs included, and the token sums of the layer
+  after carry NaN to every row they write; ``run`` evaluates each block on
+  its own, so its other blocks stay finite. Guarding every layer against
+  it would cost an operation per cell per layer in ``elsa_stack``; it is not
+  done. A NaN anywhere in the stack means some block overflowed: ``run``
+  names which. ``encode`` refuses non-finite values for the same reason.
   """
 
   def __init__(self, prog: Program):
@@ -178,6 +199,7 @@ class Compiled:
      self._parts) = _solve(self.program)
     self.m, self.n = self._layout.m, self._layout.n
     self._layer_tables = None
+    self._encoded_dtype = None  # the dtype of the last tokens encode made
     self.components = [[c.kind for c in parts] for parts in self._parts]
     first_loop = next((i for i, s in enumerate(self._stages) if s.repeat),
                       len(self._stages))
@@ -246,15 +268,21 @@ class Compiled:
       if prog.blocks[name].init is not None:
         raise ValueError(f"{fn}: {name} has an init expression, so the set-up "
                          "layer computes it; do not pass it.")
+      _no_start_value(prog, name, fn)
       if name in self._layout.zero_start:
         raise ValueError(f"{fn}: {name} starts at zero: the compact layout "
                          "uses its cells until it is first assigned (print("
                          "compiled) shows it); do not pass it, or start it "
                          "with an init expression.")
     dtype = _dtype(dtype, blocks.values(), fn)
+    self._encoded_dtype = dtype
+    # Concrete blocks are laid out in numpy and transferred once: eager jax
+    # operations would compile one small program per shape.
+    xp = jnp if any(isinstance(v, jax.core.Tracer) for v in blocks.values()
+                    ) else np
     arrays = {}
     for name, value in blocks.items():
-      value = jnp.asarray(value, dtype)
+      value = xp.asarray(value, dtype)
       shape = prog.blocks[name].shape
       if value.ndim < 2 or value.shape[-2:] != shape:
         raise ValueError(f"{fn}: {name} must have shape [..., {shape[0]}, "
@@ -266,12 +294,16 @@ class Compiled:
     except ValueError:
       raise ValueError(f"{fn}: the leading axes do not broadcast: "
                        f"{ {k: v.shape for k, v in arrays.items()} }.") from None
-    h = jnp.zeros((*batch, self.m, self.n), dtype)
+    h = xp.zeros((*batch, self.m, self.n), dtype)
     for name, value in arrays.items():
       p = self._layout.start[name]
-      h = h.at[..., np.array(p.rows)[:, None], np.array(p.cols)].set(
-          jnp.broadcast_to(value, (*batch, *value.shape[-2:])))
-    return h
+      cells = (..., np.array(p.rows)[:, None], np.array(p.cols))
+      value = xp.broadcast_to(value, (*batch, *value.shape[-2:]))
+      if xp is np:
+        h[cells] = value
+      else:
+        h = h.at[cells].set(value)
+    return jnp.asarray(h)
 
   def read(self, h: Array, name: str) -> Array:
     """The block ``name`` at its home: ``[..., m, n] -> [..., rows, cols]``.
@@ -298,21 +330,32 @@ class Compiled:
 
     Args:
       loops: iterations of every ``prog.loop`` (a static int >= 0).
-      dtype: of every leaf; default the scalars' dtype if arrays, else JAX's
-        default float. It must be the dtype of the encoded tokens.
+      dtype: of every leaf; it must be the dtype of the encoded tokens.
+        Default: the dtype of the tokens :meth:`encode` last made (so float32
+        tokens take Python-float scalars), else the scalars' dtype if arrays,
+        else JAX's default float.
       **scalars: every runtime scalar of the program: a scalar (may be
         traced) or, for scalars used only in loops, a ``[loops]`` schedule.
 
     Raises:
       ValueError: a scalar is missing, unknown, mis-shaped or (if concrete)
-        not finite; ``loops`` is not an int >= 0, or gives no layer.
+        not finite; ``loops`` is not an int >= 0, or gives no layer, or the
+        stack would not fit the devices' memory (refused before anything is
+        allocated).
     """
     fn = "Compiled.params"
     if isinstance(loops, bool) or not isinstance(loops, (int, np.integer)) or (
         loops < 0):
       raise ValueError(f"{fn}: loops must be an int >= 0, got {loops!r}.")
     _no_layers(self._stages, loops, fn, self._layout.peeled)
+    if dtype is None and self._encoded_dtype is not None:
+      dtype = self._encoded_dtype
     dtype = _dtype(dtype, scalars.values(), fn)
+    per_layer = sum(math.prod(a.shape) for a in self._tables()[0].fixed)
+    _validate.fits_memory(
+        fn, _validate.array_bytes(dtype, (self.layers(loops), per_layer)),
+        {"loops": loops, "layers": self.layers(loops), "m": self.m,
+         "n": self.n, "C": self.width})
     values = _runtime_scalars(self.program, self._stages, scalars, loops, dtype,
                               fn)
     # Concrete scalars: the leaves in numpy, one transfer per leaf at the

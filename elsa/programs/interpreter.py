@@ -21,7 +21,8 @@ import numpy as np
 
 from elsa.attention import Array
 from elsa.programs.compiler import (Schedule, _check_values, _dtype,
-                                    _no_layers, _runtime_scalars, _solve)
+                                    _no_layers, _no_start_value,
+                                    _runtime_scalars, _solve)
 from elsa.programs.language import Program, Stage
 
 def _apply(stage: Stage, values: dict, scalars: dict, dtype) -> dict:
@@ -67,6 +68,7 @@ def run(prog: Program, *, loops: int, dtype=None, **kwargs) -> dict[str, Array]:
                        f"{prog.blocks[name].shape}], got {a.shape}.")
     if prog.blocks[name].init is not None:
       raise ValueError(f"{fn}: {name} has an init expression; do not pass it.")
+    _no_start_value(prog, name, fn)
   _check_values(prog, arrays, fn, finite=False)
   batch = jnp.broadcast_shapes(*(a.shape[:-2] for a in arrays.values()))
   if loops > 1 and batch and batch[-1] == loops:

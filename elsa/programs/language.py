@@ -111,6 +111,7 @@ class Block:
   at: tuple[tuple[int, ...], tuple[int, ...]] | None = None
   init: "Expr | None" = None
   program: Any = None
+  starts_at_zero: bool = False  # a state declared init=0: no start value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +319,57 @@ def _as_expr(x, op: str) -> Expr:
   if hasattr(x, "shape") and len(getattr(x, "shape")) == 2:
     return constant(np.asarray(x))
   raise TypeError(f"programs: cannot apply {op} to {type(x).__name__}.")
+
+
+# --- symmetry --------------------------------------------------------------------
+
+
+def _symmetry_key(f: Factor):
+  """A factor up to transposition of a symmetric block (read either way)."""
+  if f.block is None:
+    return ("const", f.const.shape, np.ascontiguousarray(f.const).tobytes())
+  return (f.block.name, f.transposed and not f.block.symmetric)
+
+
+def asymmetric_terms(expr: Expr) -> list[str]:
+  """The terms of ``expr`` that keep it from being provably symmetric: ``[]``
+  if ``expr`` equals its transpose for every value of its blocks.
+
+  A term is symmetric if its factors, reversed and transposed, are its
+  factors (``X.T @ X``, ``S @ S @ S`` and ``P @ S @ P.T`` with ``S``
+  symmetric, a symmetric constant); the others must come in pairs ``c * F``
+  and ``c * F^T`` with the same coefficient (``c * (S @ A) + c * (A.T @
+  S)``). Declared symmetric blocks count as symmetric: a program whose
+  symmetric states start symmetric and are assigned only such expressions
+  keeps them symmetric at every layer (induction over the layers). The test
+  is sufficient, not necessary: an expression symmetric only through an
+  identity of its values is not recognised.
+  """
+  count = {}
+  keys = []
+  for term in expr.terms:
+    key = tuple(_symmetry_key(f) for f in term.factors)
+    flipped = tuple(_symmetry_key(f.T()) for f in reversed(term.factors))
+    keys.append((term, term.coef.text, key, flipped))
+    count[term.coef.text, key] = count.get((term.coef.text, key), 0) + 1
+  return [term.text() for term, coef, key, flipped in keys
+          if key != flipped and count.get((coef, flipped), 0) != count[coef, key]]
+
+
+def _check_symmetric_value(name: str, expr: Expr, where: str) -> None:
+  """``ValueError`` unless ``expr``, the value of the symmetric block
+  ``name`` in ``where``, is provably symmetric (:func:`asymmetric_terms`)."""
+  bad = asymmetric_terms(expr)
+  if bad:
+    raise ValueError(
+        f"programs: in {where}: {name} is declared symmetric=True, but "
+        f"{'this term is' if len(bad) == 1 else 'these terms are'} not "
+        f"symmetric: {', '.join(f'`{t}`' for t in bad)} (a term must equal its "
+        "transpose, reading declared symmetric blocks either way, or come "
+        "with its transpose at the same coefficient). The stack reads "
+        f"{name} transposed where the program does not; write a symmetric "
+        f"expression (`X.T @ X`, `S @ S @ S`, `B + B.T`) or declare {name} "
+        "without symmetric=True.")
 
 
 # --- what one component computes -----------------------------------------------
@@ -690,7 +742,15 @@ RESERVED_NAMES = frozenset({"dtype", "loops", "prog", "self"})
 class Program:
   """A matrix program: inputs, states, runtime scalars and layers (module doc)."""
 
-  def __init__(self):
+  def __init__(self, *, states_start_at_zero: bool = False):
+    """``states_start_at_zero=True``: every state without an ``init`` starts
+    at zero, as if declared ``init=0`` (the user's opt-in to the compact
+    layouts that use a state's cells before its first assignment; ``encode``
+    and ``run`` then take no start value for any state)."""
+    if not isinstance(states_start_at_zero, bool):
+      raise TypeError("programs.Program: states_start_at_zero must be a bool, "
+                      f"got {states_start_at_zero!r}.")
+    self.states_start_at_zero = states_start_at_zero
     self.blocks: dict[str, Block] = {}
     self.scalars: dict[str, Scalar] = {}
     self.stages: list[Stage] = []
@@ -750,20 +810,36 @@ class Program:
             ) -> BlockExpr:
     """A block the layers update, ``[rows, cols]``.
 
-    ``init``: ``None`` (zero, or the value given to ``encode``) or an
-    expression of inputs and scalars, computed by the set-up layer.
+    ``init``: ``None`` (zero, or the value given to ``encode``: the state
+    keeps cells of its own until its first assignment), ``0`` (it starts at
+    zero and takes no start value, so the compiler may use its cells until
+    then: a smaller layout where a first loop iteration also moves the
+    pinned inputs), or an expression of inputs and scalars, computed by the
+    set-up layer.
+    ``symmetric=True`` is a promise the compiler relies on (it reads the
+    state either way round), so it is proven: the ``init`` here and every
+    assignment to the state must be symmetric expressions
+    (:func:`asymmetric_terms`), else ``ValueError`` names the statement; a
+    start value given to ``encode`` or ``run`` is checked on its values.
     """
     name, shape = self._name(name), self._shape(name, shape)
     self._check_symmetric(name, shape, symmetric)
+    zero = self.states_start_at_zero and init is None
+    if (isinstance(init, numbers.Number) and not isinstance(init, bool)
+        and init == 0):
+      zero, init = True, None
     if init is not None:
       if not isinstance(init, Expr):
         raise TypeError(f"programs: init of {name} must be an expression of "
-                        f"inputs (or None), got {type(init).__name__}.")
+                        f"inputs, 0 or None, got {type(init).__name__}.")
       if init.shape != shape:
         raise ValueError(f"programs: init of {name} has shape "
                          f"{list(init.shape)}, but {name} is {list(shape)}.")
       self._check_terms(init, f"init of {name}", inputs_only=True)
-    block = Block(name, shape, "state", symmetric, init=init, program=self)
+      if symmetric:
+        _check_symmetric_value(name, init, f"init of {name}")
+    block = Block(name, shape, "state", symmetric, init=init, program=self,
+                  starts_at_zero=zero)
     self.blocks[name] = block
     return BlockExpr(block)
 
@@ -825,6 +901,8 @@ class Program:
                          f"shape {list(expr.shape)} but {block.name} is "
                          f"{list(block.shape)}.")
       self._check_terms(expr, f"{label}, {block.name} = ...")
+      if block.symmetric:
+        _check_symmetric_value(block.name, expr, f"{label}, {block.name} = ...")
       out.append((block, expr))
     self.stages.append(Stage(tuple(out), repeat, label))
 
@@ -832,7 +910,7 @@ class Program:
     """A copy with the blocks, scalars and layers declared so far; later
     declarations on either do not reach the other. (Blocks and layers are
     immutable, so the copy shares them.)"""
-    copy = Program()
+    copy = Program(states_start_at_zero=self.states_start_at_zero)
     copy.blocks, copy.scalars = dict(self.blocks), dict(self.scalars)
     copy.stages = list(self.stages)
     return copy

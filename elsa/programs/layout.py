@@ -33,6 +33,7 @@ import dataclasses
 
 import numpy as np
 
+from elsa import _validate
 from elsa.programs.language import Block, Classified, Program, Stage, classify
 
 
@@ -83,6 +84,8 @@ class Layout:
     zero_start: states whose cells the layout uses while they are zero
       (before their first assignment), so ``encode`` takes no start value
       for them.
+    fallback: why the layout is not the compact one, or the search stopped
+      early (``""`` if neither): ``print(compiled)`` says it.
   """
   m: int
   n: int
@@ -95,6 +98,7 @@ class Layout:
   dropped: tuple[str, ...] = ()
   peeled: bool = False
   zero_start: tuple[str, ...] = ()
+  fallback: str = ""
 
   def as_data(self) -> dict:
     """``{name: (rows, cols)}`` of every block's home, as plain lists."""
@@ -273,6 +277,24 @@ def violations(c: Classified, where: dict, owners: np.ndarray) -> list[str]:
 # --- solving ------------------------------------------------------------------
 
 
+# Bytes the solver holds per cell of the tokens at least: a Python list per
+# cell (its owners: an 8-byte pointer and a 56-byte empty list), besides the
+# float64 tokens of the layer check.
+_CELL_BYTES = 64 + 8
+
+
+def _fits(prog: Program) -> None:
+  """``ValueError`` before anything of size ``m x n`` is built if the
+  solver's per-cell tables cannot fit the devices' memory: ``m`` is at least
+  the most rows of a block (or the last pinned row), ``n`` at least the
+  columns of the unpinned blocks (each owns its columns)."""
+  m = max([b.shape[0] for b in prog.blocks.values()]
+          + [1 + max(b.at[0]) for b in prog.blocks.values() if b.at])
+  n = max(1, sum(b.shape[1] for b in prog.blocks.values() if b.at is None))
+  _validate.fits_memory("programs.compile", _CELL_BYTES * m * n,
+                        {"tokens m >=": m, "features n >=": n})
+
+
 def solve(prog: Program, stages) -> tuple[Layout, list[Step], list[Stage]]:
   """Places every block of ``prog`` and plans its layers ``stages``.
 
@@ -289,6 +311,7 @@ def solve(prog: Program, stages) -> tuple[Layout, list[Step], list[Stage]]:
   """
   if not prog.states:
     raise ValueError("programs: the program declares no state.")
+  _fits(prog)
   stages = list(stages)
   if not stages:
     raise ValueError("programs: the program has no layer; add prog.layer or "
@@ -445,6 +468,8 @@ def table(layout: Layout, prog: Program) -> str:
     out.append(f"{', '.join(layout.zero_start)} {verb} at zero (the layout "
                "uses its cells until first assigned; encode takes no start "
                "value)")
+  if layout.fallback:
+    out.append(f"layout: {layout.fallback}")
   return "\n".join(out)
 
 
