@@ -990,16 +990,19 @@ def _family_figure(results: dict):
   fig = Figure(figsize=(6, 4), layout="constrained")
   ax = fig.add_subplot()
   depths = results["depths"]
+  styles = iter([(c, ls) for ls in ("--", "-.", ":") for c in (
+      "black", "grey", "tab:olive", "tab:cyan", "tab:brown", "tab:pink")])
   for name, loss in results["test_loss"].items():
     loss = np.asarray(loss, dtype=float)
     if name in results["references"]:
-      ax.axhline(loss[0], linestyle=":" if name == "bayes" else "--",
-                 linewidth=1, color=None, label=name)
+      color, linestyle = next(styles)
+      ax.axhline(loss[0], linestyle=linestyle, linewidth=1, color=color,
+                 label=name)
       continue
     ax.errorbar(depths, loss, yerr=1.96 * np.asarray(
         results["test_loss_se"][name], dtype=float), marker="o", capsize=3,
                 label=name)
-  ax.set(xlabel="depth L", ylabel="test MSE", yscale="log",
+  ax.set(xlabel="depth L", ylabel="test MSE", yscale="log", xticks=depths,
          title=f"{results['task']}: test loss vs depth")
   ax.legend(fontsize=7)
   return fig

@@ -136,6 +136,13 @@ def test_tasks_variant_runs_every_family():
       tasks.FAMILIES)
   for name in config.task_runs:
     train.validate(train._task_run_config(config, name))  # pylint: disable=protected-access
+  # One run alone is the same run (the whole variant then skips it).
+  one = train_config.get_config("tasks.mixed_noise")
+  assert list(one.task_runs) == ["mixed_noise"]
+  assert (train._task_run_config(one, "mixed_noise")  # pylint: disable=protected-access
+          == train._task_run_config(config, "mixed_noise"))  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="unknown run 'cubic'"):
+    train_config.get_config("tasks.cubic")
   # The default run is today's ridge task.
   default = train_config.get_config()
   assert default.task == "ridge" and not default.task_runs
