@@ -37,7 +37,8 @@ from experiments import common
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """The default training run, or the variant ``arg`` (``tiny``, ``grid``, ``vonoswald``)."""
+  """The default training run, or the variant ``arg`` (``tiny``, ``grid``,
+  ``vonoswald``, ``tasks``, or ``tasks.RUN``: one run of ``tasks``)."""
   only = None
   if arg and arg.startswith("tasks."):  # one run of the tasks variant
     arg, only = "tasks", arg[len("tasks."):]
