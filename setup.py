@@ -42,6 +42,7 @@ setup(
         "orbax-checkpoint>=0.6",
         # TensorBoard event files without TensorFlow (experiments.tracking).
         "tensorboardX>=2.6",
+        "scikit-learn>=1.3",
     ],
     extras_require={
         "test": [

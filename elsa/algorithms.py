@@ -33,8 +33,9 @@ layer counts (``python -m experiments.algorithms``).
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
-from elsa import forms, programs
+from elsa import _validate, forms, programs
 from elsa.attention import Array, float_dtype
 
 
@@ -401,3 +402,45 @@ def chebyshev_schedule(mu_min, mu_max, loops: int):
   eta = jnp.where(t == 0, 2 / (mu_max + mu_min), 4 / (sl + sm) ** 2 * ratio)
   beta = rho * rho_prev  # beta_0 = 0
   return eta, beta
+
+
+def ridge_gd_from(*, n_train: int, d: int, w0, n_query: int = 1
+                  ) -> programs.Program:
+  r"""Ridge GD (:func:`ridge_gd`) from a fixed start ``w0``, held in the stack's biases.
+
+  .. math::
+    w_0 = w^{(0)}, \quad r_0 = y - X w^{(0)}, \qquad
+    w' = (1 - \eta\lambda) w + \tfrac{\eta}{N} X^\top r, \quad
+    r' = (1 - \eta\lambda) r + \eta\lambda y - \tfrac{\eta}{N} X X^\top r .
+
+  ``w0`` (``[d]`` or ``[d, 1]``, concrete) is a constant of the program: the
+  set-up layer writes it with an ELSA bias (a constant output, which plain
+  LSA cannot produce) and forms ``r_0 = y - X w0``. It is the algorithm that
+  is near Bayes-optimal when ``w ~ N(w0, s^2 I)`` (Zhang, Wu, Bartlett 2024,
+  arXiv 2402.14951). Layer ``setup_layers + t`` holds GD step ``t`` from
+  ``w0`` (``compiled.read(hs, "w")[1 + t] == ridge.gd(..., w0=w0)[t]``); the
+  last layer reads out ``p = Xq @ w``. Scalars: ``lam``, ``eta``.
+  """
+  fn = "ridge_gd_from"
+  for name, value in (("n_train", n_train), ("d", d), ("n_query", n_query)):
+    _validate.int_at_least(fn, name, value, low=1)
+  if _validate.concrete(w0) is None or jnp.size(w0) != d:
+    raise ValueError(f"{fn}: w0 must be a concrete array of d={d} numbers "
+                     f"(shape [d] or [d, 1]), got shape {jnp.shape(w0)}.")
+  _validate.finite(fn, "w0", w0)
+  # numpy, not jnp: a constant of the program, also when built under a trace.
+  w0 = np.reshape(np.asarray(w0, np.float64), (d, 1))
+  prog = programs.Program()
+  X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
+                             n_out=1)
+  N = n_train
+  start = programs.constant(w0)
+  w = prog.state("w", (d, 1), init=start)
+  r = prog.state("r", (N, 1), init=y - X @ start)
+  lam, eta = prog.scalar("lam"), prog.scalar("eta")
+  prog.loop({
+      w: (1 - eta * lam) * w + (eta / N) * (X.T @ r),
+      r: (1 - eta * lam) * r + (eta * lam) * y - (eta / N) * (X @ X.T @ r),
+  })
+  _read_out(prog, Xq, w)
+  return prog

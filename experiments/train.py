@@ -44,6 +44,7 @@ the run needs are checked first (:func:`validate`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -64,6 +65,11 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from elsa import algorithms
+from elsa import attention
+from elsa import programs
+from elsa import ridge
+from elsa import tasks as task_families
 from elsa import training
 from experiments import common
 from experiments import distributed
@@ -83,6 +89,9 @@ BASELINES = ("bayes_optimal", "gd_best_eta", "elsa_constructed_gd", "ridge",
              "least_squares", "zero")
 # Models, training batches and test tasks alike (also under jax_enable_x64).
 DTYPE = jnp.float32
+# config.task: today's ridge task (training.TaskSpec, with its shifts), or a
+# family of elsa.tasks (with config.task_options).
+DEFAULT_TASK = "ridge"
 
 
 def _spec(config, **shift) -> training.TaskSpec:
@@ -108,6 +117,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     common.ConfigError: naming the field and what is allowed.
   """
   common.check_seed(config)
+  _check_task(config)
   common.check_items(config, "models", choices=tuple(MODELS))
   common.check_choice(config, "tokens", training.TOKENS)
   common.check_choice(config, "x_dist", training.X_DISTRIBUTIONS)
@@ -243,7 +253,9 @@ def _sharded_grid_steps(states, key_data, rest, *, graphdef, spec, tx,
   """
   split = lambda tree: jax.lax.with_sharding_constraint(
       tree, NamedSharding(mesh, PartitionSpec("grid")))
-  run = lambda state: training.train_grid_steps(
+  grid_steps = (training.train_grid_steps
+                if isinstance(spec, training.TaskSpec) else _family_grid_steps)
+  run = lambda state: grid_steps(
       state, jax.random.wrap_key_data(key_data), graphdef=graphdef,
       rest=rest, spec=spec, tx=tx, batch=batch, steps=steps,
       batch_sharding=NamedSharding(mesh, PartitionSpec("batch")))
@@ -285,7 +297,8 @@ def _init(config, *, name: str, depth: int, init_scale: float, dtype):
   key = jax.random.fold_in(jax.random.key(config.seed), depth)
   switches = MODELS[name]
   return training.init_model(
-      key, _spec(config), depth=depth, components=config.components,
+      key, _train_spec(config), depth=depth,
+      components=config.components,
       inner=config.inner, tied=config.tied, scale=init_scale,
       skip_init=switches["use_bias"] and config.skip_init, dtype=dtype,
       **switches)
@@ -510,7 +523,8 @@ def train_one(config, *, name: str, depth: int, wd: common.Workdir,
     chunk = min(config.checkpoint_every, config.steps - step)
     tic = time.perf_counter()
     grouped, chunk_losses = _sharded_grid_steps(
-        grouped, key_data, rest, graphdef=split.graphdef, spec=_spec(config),
+        grouped, key_data, rest, graphdef=split.graphdef,
+        spec=_train_spec(config),
         tx=tx, batch=config.batch, steps=chunk, mesh=mesh)
     losses[:, step:step + chunk] = np.reshape(chunk_losses, (-1, chunk))
     if step > (start or 0):  # the first chunk of a process compiles
@@ -686,6 +700,10 @@ def _best_etas(config, task) -> tuple[dict[int, float], dict[str, list]]:
 
 
 def _write_figures(results: dict, wd: common.Workdir) -> None:
+  if "task" in results:  # a family of elsa.tasks
+    wd.save_figure(plotting.train_loss(results), "figures/train_loss.png")
+    wd.save_figure(_family_figure(results), "figures/test_loss_vs_depth.png")
+    return
   for name, draw in (("train_loss", plotting.train_loss),
                      ("test_loss_vs_depth", plotting.test_loss_vs_depth),
                      ("trained_vs_gd", plotting.trained_vs_gd),
@@ -696,6 +714,8 @@ def _write_figures(results: dict, wd: common.Workdir) -> None:
 
 def _tasks(config, salt: int, **shift):
   key = jax.random.fold_in(jax.random.key(config.seed), salt)
+  if config.task != DEFAULT_TASK:
+    return _train_spec(config).sample(key, batch=config.n_test, dtype=DTYPE)
   return training.sample_tasks(key, _spec(config, **shift),
                                batch=config.n_test, dtype=DTYPE)
 
@@ -723,6 +743,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   Returns:
     The results dict (what ``results.json`` holds).
   """
+  if config.get("task_runs"):
+    return _run_task_runs(config, workdir, overwrite=overwrite)
   groups, shards = distributed.agree("validate", check_devices, config)
   with distributed.claim_workdir(workdir, config, overwrite=overwrite) as wd:
     done = wd.read_json("results.json")
@@ -770,17 +792,20 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir, mesh,
   train_seconds = time.perf_counter() - start
 
   etas, eta_curves = _best_etas(config, val_task)
+  ridge_task = config.task == DEFAULT_TASK
   results = dict(depths=list(config.depths), models=list(config.models),
                  grid=[list(p) for p in points], tuning=tuning,
                  gd_best_eta=[etas[d] for d in config.depths],
                  gd_eta_grid=eta_curves,
-                 bayes_lam=training.bayes_lam(_spec(config)),
+                 bayes_lam=(training.bayes_lam(_spec(config)) if ridge_task
+                            else None),
                  train_loss=train_loss, train_seconds=train_seconds,
                  ms_per_step=ms_per_step)
   # Exact float32 products on GPU/TPU too (their default is bfloat16 passes):
   # the GD references and the constructed stack must agree to rounding.
   with jax.default_matmul_precision("highest"):
-    results.update(_evaluate_all(config, trained, etas))
+    results.update(_evaluate_all(config, trained, etas) if ridge_task else
+                   _evaluate_family(config, trained, etas, val_task))
   results["diverged"] = {name: [t["learning_rate"] is None for t in tuning[name]]
                          for name in config.models}
   gd = results["test_loss"]["gd_best_eta"]
@@ -815,6 +840,270 @@ def _track_evaluation(config, results: dict, tracker: tracking.Tracker
   tracker.hparams(config, {f"test/{name}/loss_at_L{max(config.depths)}":
                            by_depth[-1] for name, by_depth in
                            results["test_loss"].items()})
+
+
+# --- general tasks (elsa.tasks) ---------------------------------------------
+#
+# With ``config.task`` a family of ``elsa.tasks`` (options in
+# ``config.task_options``), the same models train on that family's prompts
+# and meet its references (``family.references``: Bayes where it has one,
+# Garg et al.'s baselines), GD from zero at its validation-chosen step size
+# (at ``config.lam``), and on ``nonzero_mean`` GD from the prior mean, as the
+# reference ``ridge.gd(w0=mu)`` and as the compiled ELSA stack of
+# ``elsa.algorithms.ridge_gd_from`` (the biases write ``mu``; ``L`` GD steps
+# take ``L + 2`` layers: set-up, ``L`` steps, read-out). The ridge task's
+# own fields (``noise``, ``x_scale``, ``x_dist``, ``shifts``) are not read.
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilySpec:
+  """A family's prompts as the training code reads them: hashable (a static
+  argument), with ``model_tokens()`` and ``n_train`` as
+  :class:`elsa.training.TaskSpec` has them, and :meth:`sample`."""
+
+  family: task_families.TaskFamily
+  n_train: int
+  d: int
+  n_query: int
+  tokens: str
+
+  def model_tokens(self):
+    return training.TaskSpec(n_train=self.n_train, d=self.d,
+                             n_query=self.n_query,
+                             tokens=self.tokens).model_tokens()
+
+  def sample(self, key, *, batch: int, dtype):
+    return self.family.sample(key, batch=batch, n_train=self.n_train,
+                              d=self.d, n_query=self.n_query, dtype=dtype)
+
+
+def _train_spec(config):
+  """What the models train on: the ridge :func:`_spec`, or a :class:`FamilySpec`."""
+  if config.task == DEFAULT_TASK:
+    return _spec(config)
+  return FamilySpec(task_families.get(config.task, **dict(config.task_options)),
+                    n_train=config.n_train, d=config.d,
+                    n_query=config.n_query, tokens=config.tokens)
+
+
+def _check_task(config) -> None:
+  """``config.task`` and ``config.task_options`` name a family that can
+  sample prompts of the config's sizes (checked on shapes only)."""
+  names = (DEFAULT_TASK, *task_families.FAMILIES)
+  if config.task not in names:
+    raise common.ConfigError(f"config.task must be one of {', '.join(names)}, "
+                             f"got {config.task!r}.")
+  if config.task == DEFAULT_TASK:
+    if config.task_options:
+      raise common.ConfigError(
+          f"config.task_options are a family's options; task "
+          f"{DEFAULT_TASK!r} takes none (its fields are the config's), got "
+          f"{dict(config.task_options)}.")
+    return
+  try:
+    spec = _train_spec(config)
+    jax.eval_shape(lambda key: spec.sample(key, batch=1, dtype=DTYPE),
+                   jax.random.key(0))
+  except (TypeError, ValueError) as err:
+    raise common.ConfigError(f"config.task_options: {err}") from None
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "tx", "batch",
+                                             "steps", "batch_sharding"))
+def _family_grid_steps(states, key, *, graphdef, rest, spec: FamilySpec, tx,
+                       batch: int, steps: int, batch_sharding=None):
+  """``training.train_grid_steps`` on a family's prompts: step ``s`` draws
+  from ``fold_in(key, s)`` (a resumed run sees the same batches), every grid
+  point takes its step on the same batch."""
+  form = spec.model_tokens()
+  dtype = jax.tree.leaves(states.params)[0].dtype
+
+  def body(states, _):
+    task = spec.sample(jax.random.fold_in(key, states.step[0]), batch=batch,
+                       dtype=dtype)
+    if batch_sharding is not None:
+      task = jax.lax.with_sharding_constraint(task, batch_sharding)
+    return jax.lax.map(lambda state: training.train_step_on_batch(
+        state, task, graphdef=graphdef, rest=rest, form=form, tx=tx), states)
+
+  states, losses = jax.lax.scan(body, states, None, length=steps)
+  return states, losses.T
+
+
+def gd_from_predict(task, *, w0, lam, eta, steps: int):
+  """Predictions ``x_q^T w_steps`` of ridge GD from ``w0 [d]``: ``[B, Q]``."""
+  start = jnp.broadcast_to(jnp.asarray(w0, task.x.dtype), task.w_true.shape)
+  w = ridge.gd(task.x, task.y, lam=lam, eta=eta, steps=steps, w0=start)[-1]
+  return jnp.einsum("bqd,bd->bq", task.x_query, w)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_gd_from(n_train: int, d: int, n_query: int, w0: tuple):
+  """The compiled GD-from-``w0`` program (:func:`elsa.algorithms.ridge_gd_from`)."""
+  return programs.compile(algorithms.ridge_gd_from(
+      n_train=n_train, d=d, n_query=n_query, w0=np.asarray(w0)))
+
+
+def compiled_gd_from_predict(task, *, w0, lam, eta, depth: int,
+                             return_all: bool = False):
+  """The compiled ELSA stack of ``depth`` GD steps from ``w0`` on ``task``:
+  predictions ``[B, Q]``, or with ``return_all`` the ``w`` block after
+  every layer, ``[depth + 3, B, d]`` (input, set-up, ``depth`` steps,
+  read-out)."""
+  _, n_train, d = task.x.shape
+  compiled = _compiled_gd_from(n_train, d, task.x_query.shape[1],
+                               tuple(np.asarray(w0, np.float64).tolist()))
+  h0 = compiled.encode(X=task.x, y=task.y[..., None], Xq=task.x_query)
+  params = compiled.params(loops=depth, lam=jnp.asarray(lam, task.x.dtype),
+                           eta=jnp.asarray(eta, task.x.dtype),
+                           dtype=task.x.dtype)
+  if return_all:
+    hs = attention.elsa_stack(params, h0, return_all=True)
+    return compiled.read(hs, "w")[..., 0]
+  return compiled.read(attention.elsa_stack(params, h0), "p")[..., 0]
+
+
+def _best_etas_from(config, task, w0) -> dict[int, float]:
+  """GD-from-``w0``'s step size per depth, chosen on ``task`` (validation)."""
+  etas = jnp.linspace(config.eta_min, config.eta_max, config.eta_grid,
+                      dtype=DTYPE)
+  best = {}
+  for depth in config.depths:
+    loss = jax.jit(lambda etas, depth=depth: jax.lax.map(
+        lambda eta: jnp.mean(training.mse(gd_from_predict(
+            task, w0=w0, lam=config.lam, eta=eta, steps=depth), task)), etas))
+    best[depth] = float(etas[int(np.nanargmin(np.asarray(loss(etas))))])
+  return best
+
+
+def _evaluate_family(config, trained: dict, etas: dict[int, float], val_task
+                     ) -> dict[str, Any]:
+  """Every model, reference and GD on the family's test prompts.
+
+  ``test_loss``/``test_loss_se``: per depth, each model, ``gd_best_eta``
+  (from zero), on ``nonzero_mean`` ``gd_from_mu`` and
+  ``gd_from_mu_compiled`` (at their own validation-chosen step size), and
+  every reference (the same value at every depth), ``zero``.
+  ``vs_best_reference``: per model and depth, the paired per-prompt
+  difference to ``best_reference``: ``bayes`` where the family has one,
+  else the reference of lowest test MSE.
+  """
+  spec = _train_spec(config)
+  family, form = spec.family, spec.model_tokens()
+  task = _tasks(config, 20_000)
+  size = min(config.eval_chunk, config.n_test)
+  chunks = [jax.tree.map(lambda a, i=i: a[i:i + size], task)
+            for i in range(0, config.n_test, size)]
+  def per_task(predicts: dict, *, host: bool = False) -> dict:
+    # One compiled function for all of ``predicts`` (host ones run eagerly).
+    run = lambda c: {name: training.mse(predict(c), c)
+                     for name, predict in predicts.items()}
+    run = run if host else jax.jit(run)
+    parts = [run(c) for c in chunks]
+    return {name: np.concatenate([np.asarray(p[name], np.float64)
+                                  for p in parts]) for name in predicts}
+  references = family.references
+  host = {n: p for n, p in references.items()
+          if n in task_families.HOST_REFERENCES}
+  refs = per_task({**{n: p for n, p in references.items() if n not in host},
+                   "zero": lambda c: jnp.zeros_like(c.y_query)})
+  refs.update(per_task(host, host=True))
+  refs = {name: refs[name] for name in (*references, "zero")}
+  losses = {}  # name -> {depth: per-task MSE}
+  mu = (family.mu(config.d, DTYPE)
+        if isinstance(family, task_families.NonzeroMean) else None)
+  mu_etas = None if mu is None else _best_etas_from(config, val_task, mu)
+  for depth in config.depths:
+    preds = {name: functools.partial(training.model_predict,
+                                     by_depth[depth], form)
+             for name, by_depth in trained.items() if depth in by_depth}
+    preds["gd_best_eta"] = functools.partial(
+        training.gd_predict, lam=config.lam, eta=etas[depth], steps=depth)
+    if mu is not None:
+      preds["gd_from_mu"] = functools.partial(
+          gd_from_predict, w0=mu, lam=config.lam, eta=mu_etas[depth],
+          steps=depth)
+      preds["gd_from_mu_compiled"] = functools.partial(
+          compiled_gd_from_predict, w0=mu, lam=config.lam,
+          eta=mu_etas[depth], depth=depth)
+    for name, per in per_task(preds).items():
+      losses.setdefault(name, {})[depth] = per
+  if "bayes" in refs:
+    best = "bayes"
+  else:
+    best = min((n for n in refs if n != "zero"), key=lambda n: refs[n].mean())
+  names = [*config.models, *(n for n in losses if n not in config.models)]
+  out = {"task": config.task, "task_options": family.options(),
+         "references": list(refs), "best_reference": best,
+         "test_loss": {}, "test_loss_se": {}, "vs_best_reference": {},
+         "gd_from_mu_eta": (None if mu_etas is None else
+                            [mu_etas[d] for d in config.depths])}
+  for name in names:
+    stats = [_stats(losses[name][d]) if d in losses.get(name, {}) else None
+             for d in config.depths]
+    out["test_loss"][name] = [s["mean"] if s else np.nan for s in stats]
+    out["test_loss_se"][name] = [s["se"] if s else np.nan for s in stats]
+    diffs = [_stats(losses[name][d] - refs[best])
+             if d in losses.get(name, {}) else {"mean": np.nan, "se": np.nan}
+             for d in config.depths]
+    out["vs_best_reference"][name] = {"mean": [x["mean"] for x in diffs],
+                                      "se": [x["se"] for x in diffs]}
+  for name, per in refs.items():
+    stats = _stats(per)
+    out["test_loss"][name] = [stats["mean"]] * len(config.depths)
+    out["test_loss_se"][name] = [stats["se"]] * len(config.depths)
+  return out
+
+
+def _family_figure(results: dict):
+  """Test MSE against depth: models and GD with 95% bars, every reference a
+  horizontal line."""
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  fig = Figure(figsize=(6, 4), layout="constrained")
+  ax = fig.add_subplot()
+  depths = results["depths"]
+  styles = iter([(c, ls) for ls in ("--", "-.", ":") for c in (
+      "black", "grey", "tab:olive", "tab:cyan", "tab:brown", "tab:pink")])
+  for name, loss in results["test_loss"].items():
+    loss = np.asarray(loss, dtype=float)
+    if name in results["references"]:
+      color, linestyle = next(styles)
+      ax.axhline(loss[0], linestyle=linestyle, linewidth=1, color=color,
+                 label=name)
+      continue
+    ax.errorbar(depths, loss, yerr=1.96 * np.asarray(
+        results["test_loss_se"][name], dtype=float), marker="o", capsize=3,
+                label=name)
+  ax.set(xlabel="depth L", ylabel="test MSE", yscale="log", xticks=depths,
+         title=f"{results['task']}: test loss vs depth")
+  ax.legend(fontsize=7)
+  return fig
+
+
+def _task_run_config(config, name: str) -> ml_collections.ConfigDict:
+  """``config`` with the fields of ``config.task_runs[name]`` and no runs of its own."""
+  sub = ml_collections.ConfigDict(config.to_dict())
+  overrides = sub.task_runs[name].to_dict()
+  sub.task_runs = ml_collections.ConfigDict()
+  sub.update_from_flattened_dict(
+      {k: v for k, v in overrides.items() if k != "task_options"})
+  sub.task_options = ml_collections.ConfigDict(
+      overrides.get("task_options", {}))
+  return sub
+
+
+def _run_task_runs(config, workdir: str, *, overwrite: bool) -> dict:
+  """Each run of ``config.task_runs`` in ``workdir/<name>``, one after
+  another (each resumes or skips like any run); every one is validated
+  before the first starts. Returns ``{name: results}``."""
+  subs = {name: _task_run_config(config, name) for name in config.task_runs}
+  for name, sub in subs.items():
+    try:
+      validate(sub)
+    except common.ConfigError as err:
+      raise common.ConfigError(f"config.task_runs.{name}: {err}") from None
+  return {name: run(sub, os.path.join(workdir, name), overwrite=overwrite)
+          for name, sub in subs.items()}
 
 
 def _quiet_orbax() -> None:

@@ -18,6 +18,15 @@ Variants (``--config=experiments/configs/train.py:NAME``):
   steps at 1e-3, weights tied across layers), LSA with the residual only,
   depths 1, 2, 3. Their loss is
   0.5 x MSE; results.json holds MSE (halve it to compare).
+* ``tasks``: every family of ``elsa.tasks`` (BUILD_NOTES.md, "General
+  tasks"), one run per family in ``WORKDIR/<run>`` (``config.task_runs``),
+  d = 4, N = 8, 500 steps x batch 64 at one grid point: ``nonzero_mean``,
+  ``mixed_noise`` and ``anisotropic`` (kappa 10 and 100) with every model,
+  the field's set (Garg et al.) with ELSA and the masked LSA + residual.
+  ``python -m experiments.train --config=experiments/configs/train.py:tasks
+  --workdir=runs/tasks``; one of its runs alone (the same run, so the
+  whole variant then skips it): ``:tasks.nonzero_mean``. Any family on any
+  other variant: ``--config.task=NAME``.
 
 Override any field, e.g. ``--config.depths='(1, 2, 4, 8)' --config.steps=4000``.
 """
@@ -28,10 +37,23 @@ from experiments import common
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """The default training run, or the variant ``arg`` (``tiny``, ``grid``, ``vonoswald``)."""
-  arg = common.variant("train", arg, ("tiny", "grid", "vonoswald"))
+  """The default training run, or the variant ``arg`` (``tiny``, ``grid``,
+  ``vonoswald``, ``tasks``, or ``tasks.RUN``: one run of ``tasks``)."""
+  only = None
+  if arg and arg.startswith("tasks."):  # one run of the tasks variant
+    arg, only = "tasks", arg[len("tasks."):]
+  arg = common.variant("train", arg, ("tiny", "grid", "vonoswald", "tasks"))
   config = ml_collections.ConfigDict()
   config.seed = 0
+  # The task: "ridge" (the fields below, with shifts) or a family of
+  # elsa.tasks (elsa.tasks.FAMILIES) with its options in task_options (the
+  # ridge fields noise, x_scale, x_dist and the shifts are then not read;
+  # lam is the GD references' ridge strength).
+  config.task = "ridge"
+  config.task_options = ml_collections.ConfigDict()
+  # Several runs, one per entry (name -> fields to set, task_options among
+  # them), each in WORKDIR/<name>; empty: this config is the one run.
+  config.task_runs = ml_collections.ConfigDict()
   # Tasks: y = x^T w + noise, x ~ x_scale * x_dist (unit variance), w ~ N(0, I_d).
   config.n_train = 16
   config.d = 4
@@ -138,4 +160,53 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eta_max = 8.0
     config.eta_grid = 160
     config.shifts = ml_collections.ConfigDict()
+  elif arg == "tasks":
+    _tasks_variant(config, only)
   return config
+
+
+def _tasks_variant(config: ml_collections.ConfigDict, only: str | None
+                   ) -> None:
+  """Every family of elsa.tasks at a budget of minutes each (see the doc),
+  or the run ``only`` alone (the same config, so the whole variant skips
+  it once done)."""
+  config.n_train = 8
+  config.d = 4
+  config.lam = 0.0  # GD references on the least-squares loss
+  config.steps = 500
+  config.warmup_steps = 50
+  config.batch = 64
+  config.log_every = 50
+  config.checkpoint_every = 250
+  # One grid point: 1e-2 diverged at depth 4 (anisotropic, masked ELSA).
+  config.learning_rates = (5e-3,)
+  config.init_scales = (0.03,)
+  config.n_test = 1024
+  config.eval_chunk = 512
+  config.eta_grid = 40
+  config.eta_max = 1.5
+  config.shifts = ml_collections.ConfigDict()
+  every = ("elsa_trained", "elsa_masked", "lsa_trained",
+           "lsa_residual_trained")
+  field = ("elsa_trained", "lsa_residual_trained")
+  runs = {
+      "nonzero_mean": {"task": "nonzero_mean", "models": every},
+      "mixed_noise": {"task": "mixed_noise", "models": every},
+      "anisotropic_k10": {"task": "anisotropic", "models": every,
+                          "task_options": {"kappa": 10.0}},
+      "anisotropic_k100": {"task": "anisotropic", "models": every,
+                           "task_options": {"kappa": 100.0}},
+  }
+  for name in ("linear", "sparse_linear", "noisy_linear",
+               "linear_classification", "quadratic", "relu_2nn",
+               "decision_tree"):
+    runs[name] = {"task": name, "models": field}
+  # The scikit-learn networks take ~0.2 s a prompt: fewer test prompts.
+  for name in ("quadratic", "relu_2nn"):
+    runs[name]["n_test"] = 512
+  if only is not None:
+    if only not in runs:
+      raise ValueError(f"train config: unknown run {only!r} of 'tasks'; "
+                       f"known: {', '.join(runs)}.")
+    runs = {only: runs[only]}
+  config.task_runs = ml_collections.ConfigDict(runs)

@@ -1,0 +1,225 @@
+"""elsa.tasks: the registry and its refusals, the samplers, the Bayes predictors
+against independent numpy references and Monte Carlo, the baselines on known answers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elsa import ridge, tasks
+
+NAMES = ("linear", "sparse_linear", "noisy_linear", "linear_classification",
+         "quadratic", "relu_2nn", "decision_tree", "nonzero_mean",
+         "mixed_noise", "anisotropic")
+
+
+def _sample(family, seed=0, **sizes):
+  sizes = {"batch": 6, "n_train": 5, "d": 3, "n_query": 2, **sizes}
+  return family.sample(jax.random.key(seed), dtype=jnp.float64, **sizes)
+
+
+def test_registry_and_refusals():
+  assert tuple(tasks.FAMILIES) == NAMES
+  with pytest.raises(ValueError, match="linear, sparse_linear.*anisotropic"):
+    tasks.get("cubic")
+  with pytest.raises(TypeError, match="no option kapa.*kappa"):
+    tasks.get("anisotropic", kapa=3.0)
+  with pytest.raises(ValueError, match="kappa must be >= 1, got 0.5"):
+    tasks.get("anisotropic", kappa=0.5)
+  with pytest.raises(ValueError, match="noise must be >= 0"):
+    tasks.get("noisy_linear", noise=-1.0)
+  with pytest.raises(ValueError, match="noise_levels must be > 0"):
+    tasks.get("mixed_noise", noise_levels=(0.0, 1.0))
+  with pytest.raises(ValueError, match="sum to 1"):
+    tasks.get("mixed_noise", noise_levels=(0.1, 1.0), noise_probs=(0.5, 0.6))
+  with pytest.raises(TypeError, match="rotate must be True or False"):
+    tasks.get("anisotropic", rotate=1)
+  with pytest.raises(TypeError, match="k must be an int"):
+    tasks.get("sparse_linear", k=1.5)
+  family = tasks.get("sparse_linear", k=4)
+  with pytest.raises(ValueError, match="k=4 nonzero coordinates need d >= k, "
+                     "got d=3"):
+    _sample(family)
+  with pytest.raises(ValueError, match="n_train must be an int >= 1, got 0"):
+    _sample(tasks.FAMILIES["linear"], n_train=0)
+  with pytest.raises(TypeError, match="batch must be an int"):
+    _sample(tasks.FAMILIES["linear"], batch=2.0)
+  with pytest.raises(TypeError, match="dtype must be a floating dtype"):
+    tasks.FAMILIES["linear"].sample(jax.random.key(0), batch=2, n_train=2,
+                                    d=2, dtype=jnp.int32)
+  with pytest.raises(AttributeError):
+    tasks.FAMILIES["quadratic"].bayes  # pylint: disable=pointless-statement
+  assert "bayes" not in tasks.FAMILIES["quadratic"].references
+  assert "lasso" in tasks.FAMILIES["sparse_linear"].references
+  assert "tree" in tasks.FAMILIES["decision_tree"].references
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_samplers(name):
+  family = tasks.FAMILIES[name]
+  task = _sample(family)
+  again = _sample(family)
+  other = _sample(family, seed=1)
+  for a, b in zip(task, again):  # same key, same batch
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.allclose(task.y, other.y)
+  assert task.x.shape == (6, 5, 3) and task.y.shape == (6, 5)
+  assert task.x_query.shape == (6, 2, 3) and task.y_query.shape == (6, 2)
+  assert task.w_true.shape == (6, 3)
+  assert all(a.dtype == jnp.float64 for a in task)
+  assert isinstance(task, ridge.Task)
+  x = np.concatenate([task.x, task.x_query], 1)
+  y = np.concatenate([task.y, task.y_query], 1)
+  w = np.asarray(task.w_true)
+  if not family.has_w:
+    assert np.isnan(w).all()
+  elif name == "linear_classification":
+    np.testing.assert_array_equal(y, np.sign(np.einsum("bmd,bd->bm", x, w)))
+  elif name in ("linear", "sparse_linear"):
+    np.testing.assert_allclose(y, np.einsum("bmd,bd->bm", x, w), atol=1e-12)
+  if name == "sparse_linear":
+    assert ((w != 0).sum(-1) == family.k).all()
+  if name == "decision_tree":  # leaf values only: at most 2^depth per prompt
+    assert max(len(np.unique(row)) for row in y) <= 2 ** family.depth
+
+
+def _joint_gaussian_prediction(x, y, xq, mu, s2, sigma):
+  """E[y_q | y] of the joint Gaussian (y, y_q) given the inputs (function
+  space, numpy float64), and log N(y; X mu, s2 X X^T + sigma^2 I)."""
+  a = np.concatenate([x, xq])
+  mean = a @ mu
+  cov = s2 * a @ a.T + sigma**2 * np.eye(len(a))
+  n = len(x)
+  c_yy, c_qy = cov[:n, :n], cov[n:, :n]
+  pred = mean[n:] + c_qy @ np.linalg.pinv(c_yy) @ (y - mean[:n])
+  sign, logdet = np.linalg.slogdet(c_yy)
+  r = y - mean[:n]
+  return pred, -0.5 * (r @ np.linalg.solve(c_yy, r) + logdet) if sign > 0 \
+      else None
+
+
+@pytest.mark.parametrize("name,options,n_train", [
+    ("linear", {}, 2),                    # noiseless, N < d: min-norm limit
+    ("noisy_linear", {}, 5),
+    ("nonzero_mean", {"mu_scale": 0.7, "w_scale": 0.5}, 5),
+    ("anisotropic", {"kappa": 100.0, "rotate": True}, 5),
+    ("mixed_noise", {"noise_levels": (0.1, 0.6, 2.0),
+                     "noise_probs": (0.2, 0.3, 0.5)}, 5),
+])
+def test_bayes_equals_joint_gaussian_reference(name, options, n_train):
+  family = tasks.get(name, **options)
+  task = _sample(family, n_train=n_train)
+  got = np.asarray(jax.jit(family.bayes)(task))  # jit: one compilation
+  d = task.x.shape[-1]
+  s2 = getattr(family, "w_scale", 1.0) ** 2
+  mu = np.full(d, getattr(family, "mu_scale", 0.0))
+  for b in range(task.x.shape[0]):
+    x, y, xq = (np.asarray(a[b]) for a in (task.x, task.y, task.x_query))
+    if name == "mixed_noise":
+      preds, logs = zip(*(_joint_gaussian_prediction(x, y, xq, mu, s2, s)
+                          for s in family.noise_levels))
+      logs = np.log(family.noise_probs) + np.array(logs)
+      post = np.exp(logs - logs.max())
+      want = (post / post.sum()) @ np.array(preds)
+    else:
+      want, _ = _joint_gaussian_prediction(x, y, xq, mu, s2, family.noise)
+    np.testing.assert_allclose(got[b], want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("nonzero_mean", {"mu_scale": 2.0}),
+    ("mixed_noise", {}),
+    ("anisotropic", {"kappa": 10.0, "rotate": True}),
+])
+def test_bayes_risk_matches_monte_carlo(name, options):
+  """The sampler draws what the Bayes predictor assumes: its mean squared
+  error on sampled prompts equals the posterior predictive variance the
+  model implies (4 standard errors), and no baseline does better."""
+  family = tasks.get(name, **options)
+  task = family.sample(jax.random.key(7), batch=4000, n_train=4, d=3,
+                       n_query=1, dtype=jnp.float64)
+  err = np.asarray((jax.jit(family.bayes)(task) - task.y_query)[:, 0] ** 2)
+  levels = getattr(family, "noise_levels", None) or (family.noise,)
+  x, xq = np.asarray(task.x), np.asarray(task.x_query)[:, 0]
+  ratio = [(s / family.w_scale) ** 2 for s in levels]
+  # Posterior of w at level s: covariance s^2 (X^T X + ratio I)^{-1}.
+  var = np.stack([s**2 * (1 + np.einsum("bd,bde,be->b", xq, np.linalg.inv(
+      np.einsum("bnd,bne->bde", x, x) + r * np.eye(3)), xq))
+                  for s, r in zip(levels, ratio)], -1)
+  if len(levels) > 1:
+    post = np.asarray(jax.jit(family.level_posterior)(task))
+    means = np.stack([np.asarray(tasks._predict(task, tasks.posterior_mean_w(  # pylint: disable=protected-access
+        task, mu=0.0, ratio=r)))[:, 0] for r in ratio], -1)
+    expected = np.sum(post * (var + means**2), -1) - np.sum(
+        post * means, -1) ** 2
+  else:
+    expected = var[:, 0]
+  diff = err - expected
+  assert abs(diff.mean()) < 4 * diff.std() / np.sqrt(diff.size), (
+      err.mean(), expected.mean())
+  for ref in ("least_squares", "ridge"):
+    other = np.asarray((jax.jit(family.references[ref])(task)
+                        - task.y_query)[:, 0]
+                       ** 2)
+    assert (other - err).mean() > 0, ref
+
+
+def _orthogonal_task(n_train=8, d=3, seed=0):
+  """Columns of X orthogonal with X^T X / N = I, scalar targets, one query."""
+  rng = np.random.default_rng(seed)
+  q, _ = np.linalg.qr(rng.normal(size=(n_train, d)))
+  x = np.sqrt(n_train) * q
+  w = rng.normal(size=d)
+  y = x @ w + 0.1 * rng.normal(size=n_train)
+  xq = rng.normal(size=(2, d))
+  arr = lambda a: jnp.asarray(a[None], jnp.float64)
+  return ridge.Task(x=arr(x), y=arr(y), x_query=arr(xq),
+                    y_query=arr(xq @ w), w_true=arr(w)), x, y, xq
+
+
+def test_linear_baselines_known_answers():
+  task, x, y, xq = _orthogonal_task()
+  n = len(x)
+  # X^T X / N = I: least squares, ridge and averaging are X^T y / N shrunk.
+  b = x.T @ y / n
+  np.testing.assert_allclose(tasks.least_squares(task)[0], xq @ b, rtol=1e-10)
+  np.testing.assert_allclose(
+      tasks.ridge_predictor(task, lam=0.5)[0], xq @ b / 1.5, rtol=1e-10)
+  np.testing.assert_allclose(tasks.averaging(task)[0], xq @ b, rtol=1e-10)
+  # Lasso: soft thresholding of X^T y / N.
+  alpha = 0.3
+  soft = np.sign(b) * np.maximum(np.abs(b) - alpha, 0)
+  np.testing.assert_allclose(tasks.lasso(task, alpha=alpha)[0], xq @ soft,
+                             rtol=1e-6, atol=1e-8)
+
+
+def test_knn_equals_scikit_learn_and_copies_an_exact_match():
+  from sklearn.neighbors import KNeighborsRegressor
+  task = _sample(tasks.FAMILIES["noisy_linear"], n_train=7, n_query=3)
+  got = np.asarray(jax.jit(tasks.knn)(task))
+  for b in range(task.x.shape[0]):
+    model = KNeighborsRegressor(n_neighbors=3, weights="distance").fit(
+        np.asarray(task.x[b]), np.asarray(task.y[b]))
+    np.testing.assert_allclose(got[b], model.predict(
+        np.asarray(task.x_query[b])), rtol=1e-10)
+  on_example = task._replace(x_query=task.x[:, 2:3])
+  np.testing.assert_allclose(jax.jit(tasks.knn)(on_example)[:, 0], task.y[:, 2])
+
+
+def test_tree_and_mlp_fit_known_targets():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 40, 2))
+  # Queries away from the splits at 0 (a fitted threshold lies between
+  # two examples, not at 0 itself).
+  xq = rng.choice([-1.0, 1.0], size=(2, 5, 2))
+  # A depth-2 tree is recovered exactly from 40 points.
+  target = lambda a: np.where(a[..., 0] > 0, np.where(a[..., 1] > 0, 2.0, -1.0),
+                              0.5)
+  arr = lambda a: jnp.asarray(a, jnp.float64)
+  task = ridge.Task(arr(x), arr(target(x)), arr(xq), arr(target(xq)),
+                    arr(np.zeros((2, 2))))
+  np.testing.assert_allclose(tasks.tree(task, max_depth=2), target(xq))
+  # A ReLU network fits relu(x1) - 2 relu(-x2) closely.
+  target = lambda a: np.maximum(a[..., 0], 0) - 2 * np.maximum(-a[..., 1], 0)
+  task = task._replace(y=arr(target(x)), y_query=arr(target(xq)))
+  np.testing.assert_allclose(tasks.mlp(task), target(xq), atol=0.1)

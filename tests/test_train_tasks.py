@@ -1,0 +1,148 @@
+"""experiments/train.py on the families of elsa.tasks: the compiled GD-from-mu
+stack, the driver end to end on two families, refusals of bad task configs."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from elsa import algorithms, programs, ridge, tasks
+from experiments import common
+from experiments import train
+from experiments.configs import train as train_config
+
+
+@pytest.mark.parametrize("n_train,d,n_query,depth", [(5, 3, 2, 3), (3, 4, 1, 2)])
+def test_compiled_gd_from_mu_is_ridge_gd_from_mu_at_every_layer(
+    n_train, d, n_query, depth):
+  family = tasks.get("nonzero_mean", mu_scale=0.8)
+  task = family.sample(jax.random.key(d), batch=4, n_train=n_train, d=d,
+                       n_query=n_query, dtype=jnp.float64)
+  mu = family.mu(d, jnp.float64) * jnp.linspace(0.5, 1.5, d)  # not all equal
+  lam, eta = 0.1, 0.4
+  want = ridge.gd(task.x, task.y, lam=lam, eta=eta, steps=depth,
+                  w0=jnp.broadcast_to(mu, (4, d)))
+  ws = train.compiled_gd_from_predict(task, w0=mu, lam=lam, eta=eta,
+                                      depth=depth, return_all=True)
+  # States: input, set-up (w = mu), depth steps, read-out (w unchanged).
+  assert ws.shape == (depth + 3, 4, d)
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(ws[1:depth + 2], want, rtol=0, atol=1e-10 * scale)
+  np.testing.assert_allclose(ws[-1], want[-1], rtol=0, atol=1e-10 * scale)
+  pred = train.compiled_gd_from_predict(task, w0=mu, lam=lam, eta=eta,
+                                        depth=depth)
+  np.testing.assert_allclose(
+      pred, np.einsum("bqd,bd->bq", task.x_query, want[-1]), rtol=0,
+      atol=1e-10 * np.abs(pred).max())
+  np.testing.assert_allclose(pred, train.gd_from_predict(
+      task, w0=mu, lam=lam, eta=eta, steps=depth), rtol=1e-10)
+  # mu lives in the biases: without them the stack does not start at mu.
+  compiled = programs.compile(algorithms.ridge_gd_from(
+      n_train=n_train, d=d, n_query=n_query, w0=mu))
+  params = compiled.params(loops=depth, lam=lam, eta=eta, dtype=jnp.float64)
+  no_bias = params._replace(b1=0 * params.b1, b2=0 * params.b2,
+                            b3=0 * params.b3)
+  h0 = compiled.encode(X=task.x, y=task.y[..., None], Xq=task.x_query)
+  import elsa  # pylint: disable=import-outside-toplevel
+  hs = elsa.elsa_stack(no_bias, h0, return_all=True)
+  assert np.abs(compiled.read(hs, "w")[1, ..., 0] - mu).max() > 0.1
+  with pytest.raises(ValueError, match="w0 must be a concrete array of d=3"):
+    algorithms.ridge_gd_from(n_train=2, d=3, w0=np.ones(2))
+
+
+def _config(tmp_runs: dict) -> ml_collections.ConfigDict:
+  config = train_config.get_config("tiny")
+  config.depths = (1,)
+  config.steps = 40
+  config.warmup_steps = 5
+  config.log_every = 20
+  config.checkpoint_every = 40
+  config.learning_rates = (1e-2,)
+  config.n_test = 64
+  config.eval_chunk = 32
+  config.eta_grid = 8
+  config.lam = 0.0
+  config.shifts = ml_collections.ConfigDict()
+  config.task_runs = ml_collections.ConfigDict(tmp_runs)
+  return config
+
+
+def test_driver_trains_and_evaluates_families(tmp_path):
+  config = _config({
+      "nonzero_mean": {"task": "nonzero_mean", "models": ("elsa_masked",),
+                       "task_options": {"mu_scale": 1.0}},
+      "decision_tree": {"task": "decision_tree",
+                        "models": ("lsa_residual_trained",)}})
+  out = train.run(config, str(tmp_path))
+  assert set(out) == {"nonzero_mean", "decision_tree"}
+  res = out["nonzero_mean"]
+  sub = train._task_run_config(config, "nonzero_mean")  # pylint: disable=protected-access
+  assert common.Workdir(str(tmp_path / "nonzero_mean"), sub).read_json(
+      "results.json") == res
+  assert res["task"] == "nonzero_mean" and res["best_reference"] == "bayes"
+  assert res["task_options"]["mu_scale"] == 1.0
+  losses, se = res["test_loss"], res["test_loss_se"]
+  for name in ("elsa_masked", "gd_best_eta",
+               "gd_from_mu", "gd_from_mu_compiled", "bayes", "least_squares",
+               "ridge", "knn", "averaging", "zero"):
+    assert len(losses[name]) == 1 and np.isfinite(losses[name][0]), name
+  # The compiled stack is GD from mu (float32 rounding apart).
+  np.testing.assert_allclose(losses["gd_from_mu_compiled"],
+                             losses["gd_from_mu"], rtol=1e-4)
+  # GD from the prior mean beats GD from zero; Bayes beats every model and
+  # GD by more than noise can explain nowhere (paired differences).
+  assert all(a < b for a, b in zip(losses["gd_from_mu"],
+                                   losses["gd_best_eta"]))
+  for name, diff in res["vs_best_reference"].items():
+    assert all(m > -2 * s for m, s in zip(diff["mean"], diff["se"])), name
+  assert se["bayes"][0] > 0
+  assert os.path.exists(tmp_path / "nonzero_mean" / "figures" /
+                        "test_loss_vs_depth.png")
+  tree = out["decision_tree"]
+  assert "tree" in tree["references"] and "bayes" not in tree["references"]
+  assert tree["best_reference"] in tree["references"]
+  assert np.isnan(np.asarray(tree["test_loss"].get("gd_from_mu", [np.nan]),
+                             float)).all()
+  # A rerun finds the results and trains nothing.
+  again = train.run(config, str(tmp_path))
+  assert again == out
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"task": "cubic"}, "config.task must be one of ridge, linear, "),
+    ({"task": "anisotropic", "task_options": {"kapa": 2.0}},
+     "no option kapa"),
+    ({"task": "anisotropic", "task_options": {"kappa": 0.5}},
+     "kappa must be >= 1"),
+    ({"task": "sparse_linear", "task_options": {"k": 9}},
+     "k=9 nonzero coordinates need d >= k"),
+    ({"task_options": {"kappa": 2.0}}, "task 'ridge' takes none"),
+])
+def test_bad_task_configs_are_refused_before_the_workdir(tmp_path, change,
+                                                         message):
+  config = _config({"bad": change})
+  workdir = tmp_path / "w"
+  with pytest.raises(common.ConfigError, match=message):
+    train.run(config, str(workdir))
+  assert not workdir.exists()
+
+
+def test_tasks_variant_runs_every_family():
+  config = train_config.get_config("tasks")
+  assert {run.task for run in config.task_runs.values()} == set(
+      tasks.FAMILIES)
+  for name in config.task_runs:
+    train.validate(train._task_run_config(config, name))  # pylint: disable=protected-access
+  # One run alone is the same run (the whole variant then skips it).
+  one = train_config.get_config("tasks.mixed_noise")
+  assert list(one.task_runs) == ["mixed_noise"]
+  assert (train._task_run_config(one, "mixed_noise")  # pylint: disable=protected-access
+          == train._task_run_config(config, "mixed_noise"))  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="unknown run 'cubic'"):
+    train_config.get_config("tasks.cubic")
+  # The default run is today's ridge task.
+  default = train_config.get_config()
+  assert default.task == "ridge" and not default.task_runs
