@@ -72,7 +72,7 @@ def pytest_unconfigure(config):
 _SLOW_FIRST = ("test_distributed.py", "test_decompile.py",
                "test_train_driver.py", "test_sweep.py",
                "test_decompile_driver.py", "test_benchmark_driver.py",
-               "test_api.py", "test_notebooks.py", "test_algorithms_driver.py")
+               "test_docs.py", "test_notebooks.py", "test_algorithms_driver.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -14,9 +14,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Every public module and its page of the API reference (docs/api/); elsa.tasks
-# joins with its page when it is merged.
-MODULES = ("attention", "constructions", "ridge", "forms", "programs",
+# Every public module and its page of the API reference (docs/api/).
+MODULES = ("attention", "constructions", "ridge", "tasks", "forms", "programs",
            "algorithms", "nn", "training", "decompile")
 
 
