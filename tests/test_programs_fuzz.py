@@ -357,7 +357,7 @@ def compile_times(seeds=range(FUZZ_PROGRAMS), max_states: int = 6):
 
 def report(seeds=range(FUZZ_PROGRAMS), max_states: int = 6):
   """Prints the median, 99th percentile and worst compile time (the command
-  and figures: notes/issue-34.md)."""
+  and figures: docs/guides/programs.md, "Bounded compile time")."""
   times = compile_times(seeds, max_states)
   t = np.array([s for s, _, _ in times])
   worst = max(times)

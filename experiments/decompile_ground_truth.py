@@ -1,6 +1,6 @@
 """The field's metrics on compiled stacks, whose algorithm is known exactly.
 
-PYTHONPATH=. python notes/issue_32_ground_truth.py
+python -m experiments.decompile_ground_truth
 
 For each stack (L = 3 layers, d = 4, N = 16, one query, lam = 0.05, float64):
 Fu et al.'s similarity argmax against GD steps 0..16 at the reference step

@@ -1,6 +1,6 @@
 """The spectral description of a train run's stacks, printed as polynomials and schedules.
 
-PYTHONPATH=. python notes/issue_32_trained.py TRAIN_WORKDIR [vonoswald]
+python -m experiments.decompile_trained TRAIN_WORKDIR [vonoswald]
 
 The tasks, degree and extras of the decompile driver's config (default or
 ``vonoswald``); the models the train run chose on its validation tasks.
