@@ -28,7 +28,7 @@ setup(
     long_description=open(os.path.join(_HERE, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["elsa", "elsa.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     # Plain `jax`, never `jax[cpu]`: the same install must keep a GPU or TPU
     # jaxlib that is already present (Colab).
     install_requires=[
