@@ -57,6 +57,17 @@ def _read_out(prog: programs.Program, Xq, w) -> None:
     prog.layer({p: Xq @ w})
 
 
+def _gd_loop(prog: programs.Program, X, y, w, r) -> None:
+  """The ridge-GD step on ``w`` and its residual ``r = y - X w``, with runtime
+  scalars ``lam`` and ``eta``: one loop of ``prog``."""
+  N = X.shape[0]
+  lam, eta = prog.scalar("lam"), prog.scalar("eta")
+  prog.loop({
+      w: (1 - eta * lam) * w + (eta / N) * (X.T @ r),
+      r: (1 - eta * lam) * r + (eta * lam) * y - (eta / N) * (X @ X.T @ r),
+  })
+
+
 def ridge_gd(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
              ) -> programs.Program:
   r"""Gradient descent with the residual ``r = y - X w`` kept as a state.
@@ -74,14 +85,9 @@ def ridge_gd(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
   prog = programs.Program()
   X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
                              n_out=n_out)
-  N = n_train
   w = prog.state("w", (d, n_out))
-  r = prog.state("r", (N, n_out), init=y)
-  lam, eta = prog.scalar("lam"), prog.scalar("eta")
-  prog.loop({
-      w: (1 - eta * lam) * w + (eta / N) * (X.T @ r),
-      r: (1 - eta * lam) * r + (eta * lam) * y - (eta / N) * (X @ X.T @ r),
-  })
+  r = prog.state("r", (n_train, n_out), init=y)
+  _gd_loop(prog, X, y, w, r)
   _read_out(prog, Xq, w)
   return prog
 
@@ -433,14 +439,9 @@ def ridge_gd_from(*, n_train: int, d: int, w0, n_query: int = 1
   prog = programs.Program()
   X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
                              n_out=1)
-  N = n_train
   start = programs.constant(w0)
   w = prog.state("w", (d, 1), init=start)
-  r = prog.state("r", (N, 1), init=y - X @ start)
-  lam, eta = prog.scalar("lam"), prog.scalar("eta")
-  prog.loop({
-      w: (1 - eta * lam) * w + (eta / N) * (X.T @ r),
-      r: (1 - eta * lam) * r + (eta * lam) * y - (eta / N) * (X @ X.T @ r),
-  })
+  r = prog.state("r", (n_train, 1), init=y - X @ start)
+  _gd_loop(prog, X, y, w, r)
   _read_out(prog, Xq, w)
   return prog
