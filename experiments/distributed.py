@@ -356,6 +356,12 @@ def _supervise(name: str) -> int:
       signal.signal(killed_by, signal.SIG_DFL)
     os.kill(os.getpid(), killed_by)
     os._exit(128 + killed_by)  # pylint: disable=protected-access
+  _stop(name, joined=joined)
+
+
+def _stop(name: str, *, joined: bool) -> None:
+  """Ends this process with the driver's line for a job that did not form
+  (``joined`` false) or lost a process, and how to resume."""
   me = flags.FLAGS.process_id
   who = "this process" if me is None else f"process {me}"
   if not joined:
@@ -372,6 +378,14 @@ def _supervise(name: str) -> int:
   print(f"{name}: stopped: {what}; the same command then resumes the run "
         "from the files in --workdir.", file=sys.stderr, flush=True)
   os._exit(1)  # pylint: disable=protected-access
+
+
+def _peer_gone(err: BaseException) -> bool:
+  """A collective failed because a peer process is gone: on CPU, Gloo
+  reports the dead peer's closed connection before the heartbeats run out,
+  when the kill finds this process inside a collective."""
+  return (isinstance(err, jax.errors.JaxRuntimeError)
+          and "closed by peer" in str(err))
 
 
 def run_main(argv, name: str, run, **kwargs):
@@ -408,6 +422,8 @@ def run_main(argv, name: str, run, **kwargs):
   except BaseException as err:  # pylint: disable=broad-except
     if _agreed_failure or (isinstance(err, SystemExit) and not err.code):
       raise  # every process ends the same way: a normal exit
+    if _peer_gone(err):
+      _stop(name, joined=True)
     _announce_failure(name, err)
 
 
