@@ -229,7 +229,9 @@ def test_newton_two_processes_equal_one_device(tmp_path):
     ("sweep", "--config.seed=1", "config.seed (0 on process 0, 1 on process "
      "1)"),
     ("train", "--config.n_test=4", "config.n_test (256 on process 0, 4 on "
-     "process 1)")], ids=["sweep", "train"])
+     "process 1)"),
+    ("decompile", "--config.seed=1", "config.seed (0 on process 0, 1 on "
+     "process 1)")], ids=["sweep", "train", "decompile"])
 def test_processes_given_different_jobs_stop_before_the_claim(
     tmp_path, driver, other, named):
   """MP1: process 1 given another config field and another workdir: both
