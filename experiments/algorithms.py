@@ -33,7 +33,7 @@ state stack is stored. Each kappa is saved as
 ``partial_kappa<i>.json`` when done (tied to the config by its hash, verified
 on resume); then ``results.json`` and ``figures/algorithm_layers.png``
 (:func:`experiments.plotting.algorithm_layers`), in ``--workdir``, claimed as
-every driver claims it (:func:`experiments.common.claim_workdir`).
+every driver claims it (:func:`experiments.workdirs.claim_workdir`).
 ``results['layers_to_tol'][algorithm][kappa]`` is the float64 count (the
 largest over the kappa's tasks; ``None`` past the budget), ``floor`` the
 smallest error reached (the worst task's; at most ``tol`` where reached, as
@@ -57,10 +57,13 @@ import elsa
 from elsa import algorithms as algorithms_lib
 from elsa import programs
 from elsa import ridge
-from experiments import common
+from experiments import checks
+from experiments import cli
 from experiments import distributed
+from experiments import metrics
 from experiments import plotting
-from experiments.newton import spectrum_tasks
+from experiments import workdirs
+from experiments.newton import per_kappa, spectrum_tasks
 
 # Runs to the layer budget; the others run config.depth loops.
 FIRST_ORDER = ("gd", "heavy_ball", "nesterov", "chebyshev")
@@ -142,7 +145,7 @@ def stack_errors(compiled: programs.Compiled, *, budget: int, dtype,
     h0 = compiled.encode(dtype=dtype, **blocks)
     first = {**scalars, **{k: v[0] for k, v in schedules.items()}}
     params = compiled.params(loops=2, dtype=dtype, **first)
-    error = lambda h: common.relative_error(
+    error = lambda h: metrics.relative_error(
         compiled.read(h, "w").astype(jnp.float64).reshape(-1),
         w_star.reshape(-1))
     hs = elsa.elsa_stack(_layer_of(params, slice(0, setup)), h0,
@@ -198,7 +201,7 @@ def interpreter_errors(prog: programs.Program, *, loops: int, dtype,
                       **sched)["w"]
     ws = ws.astype(jnp.float64).reshape(ws.shape[0], -1)
     # Up to the last loop: the read-out layer changes no w.
-    return common.relative_error(ws, w_star.reshape(1, -1))[:-_after_loops(
+    return metrics.relative_error(ws, w_star.reshape(1, -1))[:-_after_loops(
         prog) or None]
 
   def batch(*args):
@@ -434,28 +437,28 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Refuses a config that cannot run, in one line naming the field.
 
   Raises:
-    experiments.common.ConfigError: a field outside its range, a NaN or inf,
+    experiments.checks.ConfigError: a field outside its range, a NaN or inf,
       an unknown algorithm, an empty tuple, or a budget with no loop.
   """
-  common.check_seed(config)
-  common.check_items(config, "algorithms",
+  checks.check_seed(config)
+  checks.check_items(config, "algorithms",
                      choices=tuple(algorithms_lib.ALGORITHMS))
-  kappas = common.check_items(config, "kappas", low=1)
+  kappas = checks.check_items(config, "kappas", low=1)
   for field in ("d", "n_query", "tasks_per_kappa"):
-    common.check_int(config, field)
+    checks.check_int(config, field)
   # Layer counts index int32 arrays (the layer loop's counter, the error
   # buffer); set-up layers are added to them.
   for field, low in (("depth", 1), ("interpreter_loops", 1),
                      ("layer_budget", 3), ("layer_budget_float32", 3)):
-    common.check_int(config, field, low=low, high=_MAX_LAYERS)
-  common.check_int(config, "n_train", low=config.d)
-  common.check_float(config, "lam", low=0, high=1 / max(kappas),
+    checks.check_int(config, field, low=low, high=_MAX_LAYERS)
+  checks.check_int(config, "n_train", low=config.d)
+  checks.check_float(config, "lam", low=0, high=1 / max(kappas),
                      high_open=True)
-  common.check_float(config, "noise", low=0)
+  checks.check_float(config, "noise", low=0)
   for field in ("tol", "tol_float32"):
-    common.check_float(config, field, low=0, high=1, low_open=True,
+    checks.check_float(config, field, low=0, high=1, low_open=True,
                        high_open=True)
-  common.check_fits(bytes_needed(config), fields=(
+  checks.check_fits(bytes_needed(config), fields=(
       "tasks_per_kappa, n_train, d, n_query, depth, layer_budget, "
       "layer_budget_float32 and interpreter_loops"))
 
@@ -477,19 +480,19 @@ def bytes_needed(config) -> int:
   return 8 * config.tasks_per_kappa * total
 
 
-def _per_kappa(config, wd: common.Workdir, runners: dict) -> list[dict]:
+def _per_kappa(config, wd: workdirs.Workdir, runners: dict) -> list[dict]:
   """Every kappa's result: loaded if an earlier run saved it, else computed and saved."""
-  return common.per_kappa(
+  return per_kappa(
       config, wd, lambda kappa, rng: _kappa_result(config, kappa, rng, runners),
       name="algorithms")
 
 
-def _race(config, wd: common.Workdir) -> dict:
+def _race(config, wd: workdirs.Workdir) -> dict:
   """The results dict of the race (every kappa resumed or computed)."""
   runners = make_runners(config)
   sizes = {name: r["size"] for name, r in runners.items()}
   per_kappa = _per_kappa(config, wd, runners)
-  return {"config": common.config_dict(config),
+  return {"config": checks.config_dict(config),
           **summary(per_kappa, sizes, config), "per_kappa": per_kappa}
 
 
@@ -502,10 +505,10 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
   files if not. ``jax_enable_x64`` is on inside, restored after.
 
   Raises:
-    experiments.common.ConfigError: the config cannot run (nothing written).
-    experiments.common.WorkdirInUse: another run holds ``workdir``, or it
+    experiments.checks.ConfigError: the config cannot run (nothing written).
+    experiments.workdirs.WorkdirInUse: another run holds ``workdir``, or it
       holds a different config and ``overwrite`` is off.
-    experiments.common.CorruptOutput: a saved file is damaged, altered or of
+    experiments.workdirs.CorruptOutput: a saved file is damaged, altered or of
       another config.
   """
   distributed.agree("validate", validate, config)
@@ -523,6 +526,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  common.define_flags("algorithms")
+  cli.define_flags("algorithms")
   distributed.define_flags()
   app.run(main)

@@ -78,9 +78,11 @@ import optax
 import elsa
 from elsa import ridge
 from elsa import training
-from experiments import common
+from experiments import checks
+from experiments import cli
 from experiments import sweep
 from experiments import train
+from experiments import workdirs
 from experiments.configs import train as train_configs
 
 _GIB = 2.0 ** 30
@@ -264,7 +266,7 @@ def primitive_row(m: int, n: int, dtype, config: ml_collections.ConfigDict
 def run_primitive(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """Part 1: rows for every (dtype, n, m), and the fitted exponent per dtype and width."""
   rows, exponents = [], {}
-  progress = common.Progress(
+  progress = cli.Progress(
       len(config.dtypes) * len(config.widths) * len(config.tokens),
       name="primitive", unit="cases", every_s=0.0)
   for dtype in config.dtypes:
@@ -453,8 +455,8 @@ def run_sweep(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """Part 3: the sweep kernel against direct GD, at every dtype and task batch."""
   form = sweep.make_form(config.sweep_form, sweep_config(config, batch=1))
   mesh = Mesh(np.array(jax.devices()), ("batch",))
-  progress = common.Progress(len(config.dtypes) * len(config.sweep_batches),
-                             name="sweep", unit="cases", every_s=0.0)
+  progress = cli.Progress(len(config.dtypes) * len(config.sweep_batches),
+                          name="sweep", unit="cases", every_s=0.0)
   rows = []
   # The sweep's precision: exact float32 products on GPU/TPU as on CPU.
   with jax.default_matmul_precision("highest"):
@@ -649,8 +651,8 @@ def run_train(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """Part 4: our train step against the plain reference at every case of
   :func:`train_cases` (float32, as the train driver runs)."""
   cases = train_cases(config)
-  progress = common.Progress(len(cases), name="train", unit="cases",
-                             every_s=0.0)
+  progress = cli.Progress(len(cases), name="train", unit="cases",
+                          every_s=0.0)
   rows = []
   for name, depth, train_config in cases:
     rows.append(train_row(name, depth, train_config, config))
@@ -759,38 +761,38 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Refuses a config that cannot run, in one line naming the field.
 
   Raises:
-    experiments.common.ConfigError: a field outside its range, a NaN or inf,
+    experiments.checks.ConfigError: a field outside its range, a NaN or inf,
       an empty list of sizes, or arrays that would not fit in memory.
   """
-  common.check_seed(config)
-  common.check_items(config, "parts", choices=tuple(PARTS))
-  common.check_items(config, "dtypes", choices=("float32", "float64"))
-  common.check_int(config, "warmup", low=0)
-  common.check_int(config, "reps")
-  common.check_int(config, "min_reps", high=config.reps)
-  common.check_float(config, "max_case_s", low=0, low_open=True)
+  checks.check_seed(config)
+  checks.check_items(config, "parts", choices=tuple(PARTS))
+  checks.check_items(config, "dtypes", choices=("float32", "float64"))
+  checks.check_int(config, "warmup", low=0)
+  checks.check_int(config, "reps")
+  checks.check_int(config, "min_reps", high=config.reps)
+  checks.check_float(config, "max_case_s", low=0, low_open=True)
   for field in ("tokens", "widths", "stack_depths", "sweep_batches"):
-    common.check_items(config, field, integer=True, low=1)
-  common.check_items(config, "unrolled_depths", integer=True, low=1,
+    checks.check_items(config, field, integer=True, low=1)
+  checks.check_items(config, "unrolled_depths", integer=True, low=1,
                      allow_empty=True)
-  common.check_items(config, "train_lsa_depths", integer=True, low=1)
+  checks.check_items(config, "train_lsa_depths", integer=True, low=1)
   for field in ("fit_min_tokens", "square_matmul_size", "stack_tokens",
                 "stack_width", "stack_components", "compile_reps",
                 "sweep_n_train", "sweep_d", "sweep_n_query", "sweep_depth",
                 "train_lsa_batch", "train_elsa_depth", "train_elsa_batch"):
-    common.check_int(config, field)
-  common.check_float(config, "quadratic_budget_gib", low=0)
-  common.check_float(config, "sweep_noise", low=0)
-  common.check_choice(config, "sweep_form", ("designed", "natural"))
-  common.check_items(config, "sweep_lams", low=0)
-  common.check_items(config, "sweep_eta_fractions", low=0, high=1,
+    checks.check_int(config, field)
+  checks.check_float(config, "quadratic_budget_gib", low=0)
+  checks.check_float(config, "sweep_noise", low=0)
+  checks.check_choice(config, "sweep_form", ("designed", "natural"))
+  checks.check_items(config, "sweep_lams", low=0)
+  checks.check_items(config, "sweep_eta_fractions", low=0, high=1,
                      low_open=True, high_open=True)
   itemsize = max(jnp.dtype(d).itemsize for d in config.dtypes)
   m, n = max(config.tokens), max(config.widths)
   stack = max(config.stack_depths + config.unrolled_depths)
   # Part 1: h, the outputs and the weights; part 2: the stack's parameters;
   # the square matmul; a few copies each.
-  common.check_fits(
+  checks.check_fits(
       3 * itemsize * (4 * m * n + 4 * n * n
                       + stack * config.stack_components * 6
                       * (config.stack_tokens + config.stack_width)
@@ -800,7 +802,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   # Part 1's quadratic order runs up to its budget, or at most what it needs
   # at the largest m ([m, m] scores and their copy).
   if "primitive" in config.parts:
-    common.check_fits(min(config.quadratic_budget_gib * _GIB,
+    checks.check_fits(min(config.quadratic_budget_gib * _GIB,
                           2 * itemsize * m * m),
                       fields="quadratic_budget_gib")
   # Part 4: per layer and component the state, Q, K, V and the [m, m]
@@ -809,7 +811,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     form = _train_spec(train_config).model_tokens()
     return (16 * depth * train_config.components * train_config.batch
             * form.m * (4 * form.n + form.m))
-  common.check_fits(max(train_bytes(depth, train_config)
+  checks.check_fits(max(train_bytes(depth, train_config)
                         for _, depth, train_config in train_cases(config)),
                     fields="train_lsa_batch, train_lsa_depths, "
                            "train_elsa_batch and train_elsa_depth")
@@ -818,7 +820,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   sweep_run.update(forms=(config.sweep_form,), depth=config.sweep_depth,
                    chunk_size=sweep._n_items(sweep_run),  # pylint: disable=protected-access
                    dtype=max(config.dtypes, key=lambda d: jnp.dtype(d).itemsize))
-  common.check_fits(sweep.bytes_needed(sweep_run),
+  checks.check_fits(sweep.bytes_needed(sweep_run),
                     fields="sweep_batches, sweep_n_train, sweep_d, "
                            "sweep_n_query, sweep_depth and the sweep grid")
 
@@ -839,13 +841,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   the run and restored after it.
 
   Raises:
-    experiments.common.ConfigError: the config cannot run (nothing written).
-    experiments.common.WorkdirInUse: another run holds ``workdir``, or it
+    experiments.checks.ConfigError: the config cannot run (nothing written).
+    experiments.workdirs.WorkdirInUse: another run holds ``workdir``, or it
       holds a different config and ``overwrite`` is off.
   """
   validate(config)
   x64 = "float64" if "float64" in config.dtypes else "float32"
-  with common.float_dtype_enabled(x64), common.claim_workdir(
+  with cli.float_dtype_enabled(x64), workdirs.claim_workdir(
       workdir, config, overwrite=overwrite) as wd:
     return wd.results(lambda: _measure(config), name="benchmark")
 
@@ -862,9 +864,9 @@ def _measure(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def main(argv):
-  print(format_tables(common.run_main(argv, "benchmark", run)))
+  print(format_tables(cli.run_main(argv, "benchmark", run)))
 
 
 if __name__ == "__main__":
-  common.define_flags("benchmark")
+  cli.define_flags("benchmark")
   app.run(main)

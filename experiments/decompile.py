@@ -17,7 +17,7 @@ The train run: ``config.train_workdir`` (default ``<workdir>/train``);
 skips if it does; a different train config there is refused).
 
 Workdir (claimed as every driver claims it,
-:func:`experiments.common.claim_workdir`): ``config.json``,
+:func:`experiments.workdirs.claim_workdir`): ``config.json``,
 ``partial_<model>_L<depth>.json`` (each model and depth as soon as it is done;
 a rerun resumes at the first missing one), ``results.json`` (written last:
 ``{"models": {model: [per depth: ranked fits with every metric, best, ties,
@@ -47,35 +47,37 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from elsa import decompile, training
-from experiments import common
+from experiments import checks
+from experiments import cli
 from experiments import distributed
 from experiments import train
+from experiments import workdirs
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Every field in its range, before any workdir is touched.
 
   Raises:
-    common.ConfigError: naming the field and the allowed range.
+    checks.ConfigError: naming the field and the allowed range.
   """
-  common.check_seed(config)
+  checks.check_seed(config)
   train.validate(config.train)
   devices = jax.local_device_count()
   for field in ("n_fit", "n_test", "spectral_n_fit", "spectral_n_test"):
-    if common.check_int(config, field, low=2) % devices:
-      raise common.ConfigError(f"config.{field} must be a multiple of the "
+    if checks.check_int(config, field, low=2) % devices:
+      raise checks.ConfigError(f"config.{field} must be a multiple of the "
                                f"local device count {devices}, got "
                                f"{config[field]}.")
-  common.check_items(config, "families", choices=tuple(decompile.FAMILIES),
+  checks.check_items(config, "families", choices=tuple(decompile.FAMILIES),
                      allow_empty=True)
-  common.check_items(config, "models", choices=tuple(config.train.models),
+  checks.check_items(config, "models", choices=tuple(config.train.models),
                      allow_empty=True)
-  common.check_float(config, "tol", low=0, low_open=True)
-  common.check_items(config, "iterations", integer=True, low=1)
+  checks.check_float(config, "tol", low=0, low_open=True)
+  checks.check_items(config, "iterations", integer=True, low=1)
   for field in ("restarts", "adam_steps", "lm_steps", "similarity_steps"):
-    common.check_int(config, field)
-  common.check_int(config, "spectral_degree", low=0)
-  common.check_items(config, "spectral_extras", choices=decompile.EXTRAS,
+    checks.check_int(config, field)
+  checks.check_int(config, "spectral_degree", low=0)
+  checks.check_items(config, "spectral_extras", choices=decompile.EXTRAS,
                      allow_empty=True)
 
 
@@ -146,7 +148,7 @@ def _one(config, model, depth: int, eta: float, fit_tasks, test_tasks,
           "weight_structure": structure}
 
 
-def _decompile_all(config, wd: common.Workdir, train_workdir: str,
+def _decompile_all(config, wd: workdirs.Workdir, train_workdir: str,
                    train_results: dict) -> dict:
   fit_tasks = _sharded_tasks(config, 1, config.n_fit)
   test_tasks = _sharded_tasks(config, 2, config.n_test)
@@ -154,7 +156,7 @@ def _decompile_all(config, wd: common.Workdir, train_workdir: str,
                     _sharded_tasks(config, 4, config.spectral_n_test))
   names = list(config.models or config.train.models)
   depths = list(config.train.depths)
-  progress = common.Progress(len(names) * len(depths), name="decompile",
+  progress = cli.Progress(len(names) * len(depths), name="decompile",
                              unit="stacks")
   out = {}
   for name in names:
@@ -171,7 +173,7 @@ def _decompile_all(config, wd: common.Workdir, train_workdir: str,
         progress.update()
       else:
         progress.resumed(1)
-      out[name].append(common.finite_or_none(found))
+      out[name].append(workdirs.finite_or_none(found))
   return {"models": out, "depths": depths, "lam": _spec(config).lam,
           "gd_best_eta": train_results["gd_best_eta"],
           "train_test_loss": {n: train_results["test_loss"][n] for n in names}}
@@ -281,7 +283,7 @@ def ladder_figure(results: dict) -> Figure:
   return fig
 
 
-def _write_figures(results: dict, wd: common.Workdir) -> None:
+def _write_figures(results: dict, wd: workdirs.Workdir) -> None:
   for name, per_depth in results["models"].items():
     wd.save_figure(similarity_figure(per_depth, name),
                    f"figures/similarity_{name}.png")
@@ -297,17 +299,17 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   """Trains (if needed), decompiles, writes ``results.json`` and figures; resumes or skips.
 
   Raises:
-    experiments.common.ConfigError: the config cannot run (nothing written).
-    experiments.common.WorkdirInUse: ``workdir`` (or the train workdir) is
+    experiments.checks.ConfigError: the config cannot run (nothing written).
+    experiments.workdirs.WorkdirInUse: ``workdir`` (or the train workdir) is
       held by another run, or holds another config and ``overwrite`` is off.
-    experiments.common.CorruptOutput: a saved file is damaged or altered.
+    experiments.workdirs.CorruptOutput: a saved file is damaged or altered.
   """
   validate(config)
   train_workdir = config.train_workdir or os.path.join(workdir, "train")
   distributed.agree("validate", validate, config)
   # Before the claim: a refusal here writes nothing, so the command it asks
   # for (another train_workdir: another config) is not refused in turn.
-  common.check_other_workdir(
+  workdirs.check_other_workdir(
       train_workdir, config.train, remedy=(
           "pass another --config.train_workdir (or the train config it holds "
           f"as --config.train.FIELD), or delete {train_workdir!r} to train "
@@ -319,7 +321,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
       return done
     train_results = train.run(config.train, train_workdir)
     with jax.enable_x64(True), jax.default_matmul_precision("highest"):
-      results = common.finite_or_none(_decompile_all(
+      results = workdirs.finite_or_none(_decompile_all(
           config, wd, train_workdir, train_results))
     _write_figures(results, wd)
     wd.write_json("results.json", results)  # last: its presence means done
@@ -339,6 +341,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  common.define_flags("decompile")
+  cli.define_flags("decompile")
   distributed.define_flags()
   app.run(main)

@@ -69,13 +69,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import ml_collections
 import numpy as np
 
-from experiments import common
+from experiments import checks
+from experiments import cli
+from experiments import workdirs
 
-# The refusals a driver reports in one line (common.run_main); an agreed one is
+# The refusals a driver reports in one line (cli.run_main); an agreed one is
 # raised again, as the same type, on every process.
-_REFUSALS = {cls.__name__: cls for cls in (common.ConfigError,
-                                           common.WorkdirInUse,
-                                           common.CorruptOutput)}
+_REFUSALS = {cls.__name__: cls for cls in (checks.ConfigError,
+                                           workdirs.WorkdirInUse,
+                                           workdirs.CorruptOutput)}
 _FAILED_KEY = "elsa/failed"
 # How long a process waits for the others' outcome of a step (validation, the
 # claim): a step every process runs at once, so a peer that has not posted
@@ -127,7 +129,7 @@ def is_writer() -> bool:
 def agree(step: str, check: Callable[..., object], *args):
   """Calls ``check(*args)`` on every process; all raise the same refusal, or none does.
 
-  A refusal (:class:`experiments.common.ConfigError`, ``WorkdirInUse``,
+  A refusal (:class:`experiments.checks.ConfigError`, ``WorkdirInUse``,
   ``CorruptOutput``) on any process is raised on every process, as the same
   type, with the lowest failing process's message (prefixed ``process K:``
   when there are several processes). Other exceptions propagate where they
@@ -197,7 +199,7 @@ def agree_on_job(name: str, config: ml_collections.ConfigDict,
   Nothing happens with one process.
 
   Raises:
-    common.ConfigError: naming the first process whose job differs from
+    checks.ConfigError: naming the first process whose job differs from
       process 0's and the fields that differ (their values on both).
   """
   client = _client()
@@ -205,7 +207,7 @@ def agree_on_job(name: str, config: ml_collections.ConfigDict,
     return
   key = f"elsa/job/{next(_steps)}"
   mine = {"driver": name, "workdir": workdir,
-          "config": common.config_dict(config)}
+          "config": checks.config_dict(config)}
   client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(mine))
   jobs = [_job_fields(json.loads(client.blocking_key_value_get(
       f"{key}/{process}", _AGREE_TIMEOUT_MS)))
@@ -218,13 +220,13 @@ def agree_on_job(name: str, config: ml_collections.ConfigDict,
                         f"{job.get(k)!r} on process {process})"
                         for k in differ[:3])
       more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
-      raise common.ConfigError(
+      raise checks.ConfigError(
           f"the processes were given different jobs: process {process} "
           f"differs from process 0 in {shown}{more}. Give every process the "
           "same command (only --process_id differs); nothing was written.")
 
 
-class SharedWorkdir(common.Workdir):
+class SharedWorkdir(workdirs.Workdir):
   """The workdir as every process of a job sees it: process 0's.
 
   A JSON output read is process 0's reading, sent to the others
@@ -235,7 +237,7 @@ class SharedWorkdir(common.Workdir):
 
   def read_json(self, name: str) -> dict | None:
     return from_process_0(f"read {name}",
-                          lambda: common.Workdir.read_json(self, name))
+                          lambda: workdirs.Workdir.read_json(self, name))
 
   def own(self, name: str, *, tree: bool = False) -> None:
     if is_writer():
@@ -259,8 +261,8 @@ class SharedWorkdir(common.Workdir):
 
 @contextlib.contextmanager
 def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
-                  overwrite: bool = False) -> Iterator[common.Workdir]:
-  """:func:`experiments.common.claim_workdir` by process 0, for every process.
+                  overwrite: bool = False) -> Iterator[workdirs.Workdir]:
+  """:func:`experiments.workdirs.claim_workdir` by process 0, for every process.
 
   Every process leaves only when process 0 holds the workdir (its deletions
   under ``overwrite`` done, ``config.json`` written), or raises the refusal
@@ -268,7 +270,7 @@ def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
   :class:`SharedWorkdir`: process 0's reads, process 0's writes.
   """
   with contextlib.ExitStack() as stack:
-    claim = lambda: stack.enter_context(common.claim_workdir(
+    claim = lambda: stack.enter_context(workdirs.claim_workdir(
         workdir, config, overwrite=overwrite))
     claimed = agree("claim", claim if is_writer() else lambda: None)
     yield (claimed if jax.process_count() == 1
@@ -389,7 +391,7 @@ def _peer_gone(err: BaseException) -> bool:
 
 
 def run_main(argv, name: str, run, **kwargs):
-  """:func:`experiments.common.run_main`, first initialising ``jax.distributed``
+  """:func:`experiments.cli.run_main`, first initialising ``jax.distributed``
   under ``--distributed`` (every process then agrees on the job,
   :func:`agree_on_job`); then a failure on one process stops every process
   promptly (an agreed refusal ends each with its one-line message), and a
@@ -397,7 +399,7 @@ def run_main(argv, name: str, run, **kwargs):
   (``--join_timeout``, ``--heartbeat_timeout``)."""
   global _agreed_failure
   if not flags.FLAGS.distributed:
-    return common.run_main(argv, name, run, **kwargs)
+    return cli.run_main(argv, name, run, **kwargs)
   joined = _supervise(name)
   jax.distributed.initialize(
       coordinator_address=flags.FLAGS.coordinator_address,
@@ -415,10 +417,10 @@ def run_main(argv, name: str, run, **kwargs):
   try:
     try:
       agree_on_job(name, flags.FLAGS.config, flags.FLAGS.workdir)
-    except common.ConfigError as refusal:
+    except checks.ConfigError as refusal:
       _agreed_failure = True
       raise SystemExit(f"{name}: {refusal}") from None
-    return common.run_main(argv, name, run, **kwargs)
+    return cli.run_main(argv, name, run, **kwargs)
   except BaseException as err:  # pylint: disable=broad-except
     if _agreed_failure or (isinstance(err, SystemExit) and not err.code):
       raise  # every process ends the same way: a normal exit

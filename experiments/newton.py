@@ -21,7 +21,7 @@ as soon as it is done (tied to the config by its hash, verified on resume),
 so a rerun resumes at the first unfinished kappa. Then ``results.json`` and
 ``figures/newton_layers.png`` (:func:`experiments.plotting.newton_layers`),
 all in ``--workdir``, claimed as every driver claims it
-(:func:`experiments.common.claim_workdir`).
+(:func:`experiments.workdirs.claim_workdir`).
 The float32 and float64 runs use full-precision matmuls
 (``jax.default_matmul_precision("highest")``): GPUs and TPUs would otherwise
 run float32 products in TF32 or bfloat16. ``jax_enable_x64`` is on during
@@ -42,9 +42,12 @@ import numpy as np
 import elsa
 from elsa import ridge
 from elsa.forms.newton import Newton
-from experiments import common
+from experiments import checks
+from experiments import cli
 from experiments import distributed
+from experiments import metrics
 from experiments import plotting
+from experiments import workdirs
 
 
 def spectrum_tasks(rng: np.random.Generator, *, kappa: float, count: int,
@@ -117,7 +120,7 @@ def newton_decoder(form: Newton, *, lam: float, depth: int, mesh):
 
 def _relative_errors(ws, w_star) -> np.ndarray:
   """``||w - w*|| / ||w*||`` per task and layer, in float64: ``[B, L + 1]``."""
-  return common.relative_error(np.asarray(ws, np.float64), w_star[:, None])
+  return metrics.relative_error(np.asarray(ws, np.float64), w_star[:, None])
 
 
 def _first_below(errors: np.ndarray, tol: float) -> list[int | None]:
@@ -181,7 +184,7 @@ def _check_gd_count(x, y, w_star, *, lam, eta, tol, steps) -> bool | None:
     return None
   ws = np.asarray(ridge.gd(jnp.asarray(x), jnp.asarray(y), lam=lam, eta=eta,
                            steps=steps))
-  errors = common.relative_error(ws, w_star)
+  errors = metrics.relative_error(ws, w_star)
   return bool(errors[-1] <= tol and (steps == 0 or errors[-2] > tol))
 
 
@@ -234,36 +237,57 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Refuses a config that cannot run, in one line naming the field.
 
   Raises:
-    experiments.common.ConfigError: a field outside its range, a NaN or inf,
+    experiments.checks.ConfigError: a field outside its range, a NaN or inf,
       an empty ``kappas``, or arrays that would not fit in memory.
   """
-  common.check_seed(config)
-  kappas = common.check_items(config, "kappas", low=1)
+  checks.check_seed(config)
+  kappas = checks.check_items(config, "kappas", low=1)
   for field in ("d", "n_query", "tasks_per_kappa", "depth"):
-    common.check_int(config, field)
-  if common.check_int(config, "n_train") < config.d:
-    raise common.ConfigError(f"config.n_train must be an int >= config.d "
+    checks.check_int(config, field)
+  if checks.check_int(config, "n_train") < config.d:
+    raise checks.ConfigError(f"config.n_train must be an int >= config.d "
                              f"({config.d}), got {config.n_train}.")
-  common.check_float(config, "lam", low=0, high=1 / max(kappas),
+  checks.check_float(config, "lam", low=0, high=1 / max(kappas),
                      high_open=True)
-  common.check_float(config, "noise", low=0)
+  checks.check_float(config, "noise", low=0)
   for field in ("tol", "tol_float32"):
-    common.check_float(config, field, low=0, high=1, low_open=True,
+    checks.check_float(config, field, low=0, high=1, low_open=True,
                        high_open=True)
   form = Newton(n_train=config.n_train, d=config.d, n_query=config.n_query)
   layers = form.setup_layers + config.depth + 1
   # Every layer's state and parameters, for a kappa's tasks, in float64.
-  common.check_fits(8 * 3 * config.tasks_per_kappa * layers
+  checks.check_fits(8 * 3 * config.tasks_per_kappa * layers
                     * (form.m + form.n) ** 2,
                     fields="n_train, d, n_query, tasks_per_kappa and depth")
 
 
-def _per_kappa(config, wd: common.Workdir) -> list[dict]:
+def per_kappa(config, wd: workdirs.Workdir, compute, *,
+              name: str) -> list[dict]:
+  """``compute(kappa, rng)`` for every ``config.kappas`` at the highest matmul
+  precision, each saved as ``partial_kappa<i>.json`` when done and loaded on
+  a rerun; non-finite numbers as ``None``. ``rng`` is
+  ``np.random.default_rng([config.seed, i])``: a resumed kappa draws the
+  same."""
+  names = [f"partial_kappa{i}.json" for i in range(len(config.kappas))]
+  results = [wd.read_json(n) for n in names]
+  progress = cli.Progress(len(names), name=name, unit="kappas")
+  progress.resumed(sum(r is not None for r in results))
+  with jax.default_matmul_precision("highest"):
+    for i, kappa in enumerate(config.kappas):
+      if results[i] is None:
+        rng = np.random.default_rng([config.seed, i])
+        results[i] = workdirs.finite_or_none(compute(float(kappa), rng))
+        wd.write_json(names[i], results[i])
+        progress.update()
+  return results
+
+
+def _per_kappa(config, wd: workdirs.Workdir) -> list[dict]:
   """Every kappa's result: loaded if an earlier run saved it, else computed and saved."""
   form = Newton(n_train=config.n_train, d=config.d, n_query=config.n_query)
   decoder = newton_decoder(form, lam=config.lam, depth=config.depth,
                            mesh=distributed.mesh())
-  return common.per_kappa(
+  return per_kappa(
       config, wd, lambda kappa, rng: _kappa_result(config, kappa, rng, decoder),
       name="newton")
 
@@ -278,16 +302,16 @@ def run(config, workdir: str, *, overwrite: bool = False) -> dict:
   file. ``jax_enable_x64`` is on inside, restored after.
 
   Raises:
-    experiments.common.ConfigError: the config cannot run (nothing written).
-    experiments.common.WorkdirInUse: another run holds ``workdir``, or it
+    experiments.checks.ConfigError: the config cannot run (nothing written).
+    experiments.workdirs.WorkdirInUse: another run holds ``workdir``, or it
       holds a different config and ``overwrite`` is off.
-    experiments.common.CorruptOutput: a saved file is damaged, altered or of
+    experiments.workdirs.CorruptOutput: a saved file is damaged, altered or of
       another config.
   """
   distributed.agree("validate", validate, config)
   with jax.enable_x64(True), distributed.claim_workdir(
       workdir, config, overwrite=overwrite) as wd:
-    results = wd.results(lambda: {"config": common.config_dict(config),
+    results = wd.results(lambda: {"config": checks.config_dict(config),
                                   "per_kappa": _per_kappa(config, wd)},
                          name="newton")
     wd.save_figure(plotting.newton_layers(results, summary_rows(results)),
@@ -301,6 +325,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  common.define_flags("newton")
+  cli.define_flags("newton")
   distributed.define_flags()
   app.run(main)

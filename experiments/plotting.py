@@ -2,7 +2,7 @@
 
 Every function returns a ``matplotlib.figure.Figure`` built without pyplot, so
 it works headless, in a notebook and under any backend without switching it;
-save it with :func:`experiments.common.save_figure`.
+save it with :func:`experiments.workdirs.save_figure`.
 
 Sweep figures take the record list. Diverged cells (``eta`` past the GD
 stability limit) never enter an error curve: the heatmap shows them greyed

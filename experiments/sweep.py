@@ -32,7 +32,7 @@ config loads what exists and computes only the rest. The chunk size depends on
 the device count, and is part of the file name, so chunks saved under another
 device count are recomputed, never misread. Every file carries the config's
 hash and a checksum of its content, verified on resume
-(:class:`experiments.common.Workdir`); the run holds the workdir's lock.
+(:class:`experiments.workdirs.Workdir`); the run holds the workdir's lock.
 
 The config is checked before the workdir is claimed (:func:`validate`):
 ``lams >= 0``, ``etas > 0``, positive sizes, finite numbers, no value listed
@@ -72,9 +72,12 @@ import numpy as np
 import elsa
 from elsa import forms
 from elsa import ridge
-from experiments import common
+from experiments import checks
+from experiments import cli
 from experiments import distributed
+from experiments import metrics
 from experiments import plotting
+from experiments import workdirs
 
 Array = jax.Array
 
@@ -83,13 +86,13 @@ _METRICS = ("rel_err", "elsa_to_ridge", "gd_to_ridge")
 
 
 # What measure_task reports: the one relative error every driver shares.
-relative_error = common.relative_error
+relative_error = metrics.relative_error
 
 
 def make_form(name: str, config: ml_collections.ConfigDict):
   """The input form ``name`` (``designed`` or ``natural``) for the config's task shape."""
   if name not in _FORM_CLASSES:
-    raise common.ConfigError(f"config.forms: unknown form {name!r}; choose "
+    raise checks.ConfigError(f"config.forms: unknown form {name!r}; choose "
                              f"from {sorted(_FORM_CLASSES)}.")
   cls = getattr(forms, _FORM_CLASSES[name])
   return cls(n_train=config.n_train, d=config.d, n_query=config.n_query,
@@ -218,19 +221,19 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Refuses a config that cannot run, in one line naming the field.
 
   Raises:
-    experiments.common.ConfigError: a field outside its range, a NaN or inf,
+    experiments.checks.ConfigError: a field outside its range, a NaN or inf,
       an empty grid, or arrays that would not fit in memory.
   """
-  common.check_seed(config)
-  common.check_items(config, "forms", choices=sorted(_FORM_CLASSES))
+  checks.check_seed(config)
+  checks.check_items(config, "forms", choices=sorted(_FORM_CLASSES))
   for field in ("n_train", "d", "n_query", "n_tasks", "depth", "chunk_size"):
-    common.check_int(config, field)
-  common.check_float(config, "noise", low=0)
-  common.check_items(config, "lams", low=0)
-  common.check_choice(config, "eta_mode", ("fraction", "absolute"))
-  common.check_items(config, "etas", low=0, low_open=True)
-  common.check_choice(config, "dtype", ("float32", "float64"))
-  common.check_fits(bytes_needed(config),
+    checks.check_int(config, field)
+  checks.check_float(config, "noise", low=0)
+  checks.check_items(config, "lams", low=0)
+  checks.check_choice(config, "eta_mode", ("fraction", "absolute"))
+  checks.check_items(config, "etas", low=0, low_open=True)
+  checks.check_choice(config, "dtype", ("float32", "float64"))
+  checks.check_fits(bytes_needed(config),
                     fields="n_train, d, n_query, n_tasks, depth, chunk_size "
                            "and the grid")
 
@@ -277,7 +280,7 @@ def _chunk_file(name: str, start: int, size: int) -> str:
   return f"partial_{name}_items{start}-{start + size}.npz"
 
 
-def _finished(wd: common.Workdir, config: ml_collections.ConfigDict,
+def _finished(wd: workdirs.Workdir, config: ml_collections.ConfigDict,
               size: int, starts: list[int]) -> dict[str, np.ndarray]:
   """What earlier runs finished, as process 0 sees it, the same on every process.
 
@@ -299,7 +302,7 @@ def _finished(wd: common.Workdir, config: ml_collections.ConfigDict,
   return {k: np.asarray(v).astype(bool) for k, v in flags.items()}
 
 
-def _read_finished(wd: common.Workdir, name: str, read):
+def _read_finished(wd: workdirs.Workdir, name: str, read):
   """``read(name)`` (a verified read of ``wd``) of a file process 0 reported
   as finished."""
   found = read(name)
@@ -311,7 +314,7 @@ def _read_finished(wd: common.Workdir, name: str, read):
 
 
 def _run_form(name: str, config: ml_collections.ConfigDict, items: dict,
-              mesh: Mesh, progress: common.Progress, *, wd: common.Workdir,
+              mesh: Mesh, progress: cli.Progress, *, wd: workdirs.Workdir,
               chunks_done: np.ndarray) -> dict:
   """All chunks of one form through one compiled function; returns the records.
 
@@ -369,10 +372,11 @@ def _records(name: str, config: ml_collections.ConfigDict,
         records.append(dict(
             form=name, lam=float(lam), eta=float(eta), depth=depth,
             diverged=diverged, n_unstable_tasks=int(unstable[i, j].sum()),
-            max_rel_err=common.finite_or_none(np.max(at["rel_err"])),
-            median_rel_err=common.finite_or_none(np.median(at["rel_err"])),
-            elsa_to_ridge=common.finite_or_none(np.median(at["elsa_to_ridge"])),
-            gd_to_ridge=common.finite_or_none(np.median(at["gd_to_ridge"]))))
+            max_rel_err=workdirs.finite_or_none(np.max(at["rel_err"])),
+            median_rel_err=workdirs.finite_or_none(np.median(at["rel_err"])),
+            elsa_to_ridge=workdirs.finite_or_none(
+                np.median(at["elsa_to_ridge"])),
+            gd_to_ridge=workdirs.finite_or_none(np.median(at["gd_to_ridge"]))))
   return records
 
 
@@ -401,7 +405,7 @@ def summary_table(results: dict) -> str:
   return "\n".join(lines)
 
 
-def _write_figures(results: dict, wd: common.Workdir) -> None:
+def _write_figures(results: dict, wd: workdirs.Workdir) -> None:
   records, form_names = results["records"], results["forms"]
   for name in form_names:
     wd.save_figure(plotting.error_vs_depth(records, form=name),
@@ -429,19 +433,19 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     The results dict (what ``results.json`` holds, less its ``_check``).
 
   Raises:
-    experiments.common.ConfigError: the config cannot run (nothing written).
-    experiments.common.WorkdirInUse: another run holds ``workdir``, or it
+    experiments.checks.ConfigError: the config cannot run (nothing written).
+    experiments.workdirs.WorkdirInUse: another run holds ``workdir``, or it
       holds a different config and ``overwrite`` is off.
-    experiments.common.CorruptOutput: a saved file is damaged, altered or of
+    experiments.workdirs.CorruptOutput: a saved file is damaged, altered or of
       another config.
   """
   distributed.agree("validate", validate, config)
-  with common.float_dtype_enabled(config.dtype) as dtype, \
+  with cli.float_dtype_enabled(config.dtype) as dtype, \
       distributed.claim_workdir(workdir, config, overwrite=overwrite) as wd:
     return _run(config, wd, dtype)
 
 
-def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype
+def _run(config: ml_collections.ConfigDict, wd: workdirs.Workdir, dtype
          ) -> dict:
   mesh = distributed.mesh()
   size, starts = chunk_starts(config, mesh.size)
@@ -463,8 +467,8 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir, dtype
   logging.info("sweep: %d forms to run (%s), %d items each in chunks of %d, "
                "on %d %s devices", len(todo), ", ".join(todo), n_items, size,
                mesh.size, jax.default_backend())
-  progress = common.Progress(len(config.forms) * n_items, name="sweep",
-                             unit="tasks")
+  progress = cli.Progress(len(config.forms) * n_items, name="sweep",
+                          unit="tasks")
   progress.resumed(len(partial) * n_items)
   for name, chunks_done in zip(config.forms, finished["chunks"]):
     if name in partial:
@@ -499,6 +503,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  common.define_flags("sweep")
+  cli.define_flags("sweep")
   distributed.define_flags()
   app.run(main)

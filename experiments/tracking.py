@@ -23,8 +23,9 @@ import os
 
 import ml_collections
 
-from experiments import common
+from experiments import checks
 from experiments import distributed
+from experiments import workdirs
 
 FOLDER = "tensorboard"
 
@@ -43,7 +44,7 @@ def hparams(config: ml_collections.ConfigDict) -> dict:
     else:
       flat[prefix[:-1]] = json.dumps(obj)
 
-  walk("", common.config_dict(config))
+  walk("", checks.config_dict(config))
   return flat
 
 
@@ -52,7 +53,7 @@ class Tracker:
   the events there (a fresh start of what it tracks); does nothing on
   processes other than 0."""
 
-  def __init__(self, wd: common.Workdir, sub: str = ""):
+  def __init__(self, wd: workdirs.Workdir, sub: str = ""):
     self._writer, self._wd, self._subs = None, wd, []
     if distributed.is_writer():
       import tensorboardX  # pylint: disable=g-import-not-at-top

@@ -32,7 +32,7 @@ predictor, and the cosine similarity and relative L2 distance of
 ``d pred / d x_q`` to GD at each depth. The same models are evaluated under
 distribution shifts (``config.shifts``) with GD's in-distribution step size.
 
-Workdir (claimed as every driver claims it, :func:`experiments.common.claim_workdir`:
+Workdir (claimed as every driver claims it, :func:`experiments.workdirs.claim_workdir`:
 held exclusively for the run, every output tied to the config's hash and a
 checksum): ``config.json``, ``checkpoints/<model>_L<depth>/`` (orbax, the whole
 grid every ``checkpoint_every`` steps, sealed like every output: an
@@ -71,10 +71,12 @@ from elsa import programs
 from elsa import ridge
 from elsa import tasks as task_families
 from elsa import training
-from experiments import common
+from experiments import checks
+from experiments import cli
 from experiments import distributed
 from experiments import plotting
 from experiments import tracking
+from experiments import workdirs
 
 # name -> switches of training.init_model.
 MODELS = {"elsa_trained": dict(use_bias=True, residual=False,
@@ -114,66 +116,66 @@ def validate(config: ml_collections.ConfigDict) -> None:
   memory, before the workdir is touched.
 
   Raises:
-    common.ConfigError: naming the field and what is allowed.
+    checks.ConfigError: naming the field and what is allowed.
   """
-  common.check_seed(config)
+  checks.check_seed(config)
   _check_task(config)
-  common.check_items(config, "models", choices=tuple(MODELS))
-  common.check_choice(config, "tokens", training.TOKENS)
-  common.check_choice(config, "x_dist", training.X_DISTRIBUTIONS)
-  common.check_items(config, "depths", integer=True, low=1)
+  checks.check_items(config, "models", choices=tuple(MODELS))
+  checks.check_choice(config, "tokens", training.TOKENS)
+  checks.check_choice(config, "x_dist", training.X_DISTRIBUTIONS)
+  checks.check_items(config, "depths", integer=True, low=1)
   for field in ("n_train", "d", "components", "steps", "batch", "log_every",
                 "checkpoint_every", "keep_checkpoints", "eta_grid"):
-    common.check_int(config, field)
-  common.check_int(config, "n_query", low=1)
-  common.check_int(config, "n_test", low=2)  # a standard error needs two
-  if config.n_test % min(common.check_int(config, "eval_chunk"), config.n_test):
-    raise common.ConfigError(
+    checks.check_int(config, field)
+  checks.check_int(config, "n_query", low=1)
+  checks.check_int(config, "n_test", low=2)  # a standard error needs two
+  if config.n_test % min(checks.check_int(config, "eval_chunk"), config.n_test):
+    raise checks.ConfigError(
         f"config.eval_chunk must divide config.n_test ({config.n_test}) or "
         f"exceed it, got {config.eval_chunk}.")
-  common.check_int(config, "warmup_steps", low=0, high=config.steps)
+  checks.check_int(config, "warmup_steps", low=0, high=config.steps)
   if config.inner is not None:
-    common.check_int(config, "inner")
-  common.check_float(config, "lam", low=0)
-  common.check_float(config, "noise", low=0)
+    checks.check_int(config, "inner")
+  checks.check_float(config, "lam", low=0)
+  checks.check_float(config, "noise", low=0)
   if config.clip_norm is not None:
-    common.check_float(config, "clip_norm", low=0, low_open=True)
-  common.check_float(config, "x_scale", low=0, low_open=True)
-  common.check_float(config, "end_fraction", low=0, high=1)
-  common.check_float(config, "eta_min", low=0, low_open=True)
-  common.check_float(config, "eta_max", low=config.eta_min, low_open=True)
+    checks.check_float(config, "clip_norm", low=0, low_open=True)
+  checks.check_float(config, "x_scale", low=0, low_open=True)
+  checks.check_float(config, "end_fraction", low=0, high=1)
+  checks.check_float(config, "eta_min", low=0, low_open=True)
+  checks.check_float(config, "eta_max", low=config.eta_min, low_open=True)
   for field in ("learning_rates", "init_scales"):
-    common.check_items(config, field, low=0, low_open=True)
+    checks.check_items(config, field, low=0, low_open=True)
   if config.steps % config.log_every:
-    raise common.ConfigError(
+    raise checks.ConfigError(
         f"config.log_every must divide config.steps ({config.steps}), got "
         f"{config.log_every}.")
   for name, shift in config.shifts.items():
     _check_shift(name, shift)
-  common.check_fits(bytes_needed(config), fields=(
+  checks.check_fits(bytes_needed(config), fields=(
       "n_train, d, n_query, depths, components, inner, batch, n_test, "
       "eval_chunk, eta_grid, steps and the grid"))
 
 
 def _check_shift(name: str, shift) -> None:
   if not isinstance(shift, (dict, ml_collections.ConfigDict)):
-    raise common.ConfigError(f"config.shifts.{name} must be a dict of shift "
+    raise checks.ConfigError(f"config.shifts.{name} must be a dict of shift "
                              f"fields ({', '.join(SHIFT_FIELDS)}), got "
                              f"{shift!r}.")
   for field, value in shift.items():
     where = f"shifts.{name}.{field}"
     one = {where: value}  # the checks read config[field] and name the field
     if field in ("x_scale", "w_scale"):
-      common.check_float(one, where, low=0, low_open=True)
+      checks.check_float(one, where, low=0, low_open=True)
     elif field == "x_skew":
-      common.check_float(one, where)
+      checks.check_float(one, where)
     elif field == "x_dist":
-      common.check_choice(one, where, training.X_DISTRIBUTIONS)
+      checks.check_choice(one, where, training.X_DISTRIBUTIONS)
     elif field == "noise_labels" and not isinstance(value, bool):
-      raise common.ConfigError(f"config.{where} must be True or False, got "
+      raise checks.ConfigError(f"config.{where} must be True or False, got "
                                f"{value!r}.")
     elif field not in SHIFT_FIELDS:
-      raise common.ConfigError(f"config.{where} is not a shift field; a shift "
+      raise checks.ConfigError(f"config.{where} is not a shift field; a shift "
                                f"sets {', '.join(SHIFT_FIELDS)}.")
 
 
@@ -214,13 +216,13 @@ def layout(config) -> tuple[int, int]:
   grid points)``.
 
   Raises:
-    common.ConfigError: ``config.batch`` does not split over the shards.
+    checks.ConfigError: ``config.batch`` does not split over the shards.
   """
   devices = jax.device_count()
   groups = math.gcd(devices, len(grid(config)))
   shards = devices // groups
   if config.batch % shards:
-    raise common.ConfigError(
+    raise checks.ConfigError(
         f"config.batch must be a multiple of {shards} to split over the "
         f"{devices} devices ({groups} groups of the {len(grid(config))} grid "
         f"points, each batch over {shards}), got {config.batch}.")
@@ -332,15 +334,15 @@ def _optimizer(*, learning_rate: float, steps: int, warmup_steps: int,
 def _identity(config, *, name: str, depth: int, step: int) -> dict:
   """What a checkpoint is: the model, its depth, the grid's points (in their
   order) and the step; sealed in with the config's hash."""
-  return common.canonical({"model": name, "depth": depth,
+  return checks.canonical({"model": name, "depth": depth,
                            "grid": grid(config), "step": step})
 
 
-def _checkpointed(wd: common.Workdir, state, losses, identity: dict
+def _checkpointed(wd: workdirs.Workdir, state, losses, identity: dict
                   ) -> dict[str, np.ndarray]:
   """What a checkpoint holds: the state's leaves, the losses and its
   ``identity`` (JSON as uint8), sealed like every output: the config's hash
-  and a checksum of all of it (:meth:`experiments.common.Workdir.seal`)."""
+  and a checksum of all of it (:meth:`experiments.workdirs.Workdir.seal`)."""
   leaves = jax.tree.leaves(state)
   return wd.seal({"losses": losses, "identity": np.frombuffer(
       json.dumps(identity, sort_keys=True).encode(), np.uint8),
@@ -352,19 +354,19 @@ def _describe(identity: dict) -> str:
           f"{identity.get('step')}, grid {identity.get('grid')}")
 
 
-def _restore(config, manager, wd: common.Workdir, folder: str, state, losses,
+def _restore(config, manager, wd: workdirs.Workdir, folder: str, state, losses,
              *, name: str, depth: int, remedy: str | None = None):
   """``(step, state, losses)`` of the last checkpoint in ``folder``, verified
   as this config's ``name`` at ``depth`` and as the step it is filed under,
   or ``(None, state, losses)`` when there is none.
 
   Raises:
-    common.CorruptOutput: it cannot be read, is of another config, another
+    workdirs.CorruptOutput: it cannot be read, is of another config, another
       model, depth, grid or step, was altered, or its arrays do not have
       this model's shapes; naming it and ending with ``remedy`` (default: delete
       ``folder``).
   """
-  remedy = remedy or common.way_out(folder)
+  remedy = remedy or workdirs.way_out(folder)
   step = manager.latest_step()
   if step is None:
     return None, state, losses
@@ -377,7 +379,7 @@ def _restore(config, manager, wd: common.Workdir, folder: str, state, losses,
   except Exception as err:  # pylint: disable=broad-except
     # orbax, tensorstore and decompression errors alike, in one line.
     first_line = (str(err).strip().splitlines() or [""])[0][:200]
-    raise common.CorruptOutput(
+    raise workdirs.CorruptOutput(
         f"{path!r} is not a readable checkpoint ({type(err).__name__}: "
         f"{first_line}); " + remedy) from None
   restored = wd.unseal(path, restored, remedy=remedy)
@@ -390,7 +392,7 @@ def _restore(config, manager, wd: common.Workdir, folder: str, state, losses,
     what = ("no record of which model, depth and step it holds (an older "
             "version wrote it)" if not isinstance(found, dict) else
             f"{_describe(found)}")
-    raise common.CorruptOutput(
+    raise workdirs.CorruptOutput(
         f"{path!r} holds {what}, not {_describe(wanted)}: it was copied or "
         "renamed; " + remedy)
   leaves = jax.tree.leaves(state)
@@ -399,7 +401,7 @@ def _restore(config, manager, wd: common.Workdir, folder: str, state, losses,
       or not like(restored["losses"], losses)
       or not all(like(restored[f"state{i}"], leaf)
                  for i, leaf in enumerate(leaves))):
-    raise common.CorruptOutput(
+    raise workdirs.CorruptOutput(
         f"{path!r} does not hold the arrays of {_describe(wanted)} (other "
         "shapes); " + remedy)
   # In the dtypes of this process's state (with jax_enable_x64 on, as in
@@ -437,20 +439,20 @@ def load_trained(config, workdir: str, *, name: str, depth: int
   Reads only.
 
   Raises:
-    common.CorruptOutput: the checkpoint is missing, unfinished, damaged,
+    workdirs.CorruptOutput: the checkpoint is missing, unfinished, damaged,
       of another config, or another model, depth or step. Its way out
       deletes the model's folder and the run's ``results.json``: the train
       command (decompile runs it first) then trains that model again, and
       only that one, and evaluates anew.
   """
   split, _, state, losses = _untrained(config, name=name, depth=depth)
-  wd = common.Workdir(workdir, config)
+  wd = workdirs.Workdir(workdir, config)
   folder = wd.path(_checkpoints(name, depth))
   remedy = (f"delete {folder!r} and {wd.path('results.json')!r}, then rerun: "
             f"train trains {name} at depth {depth} again (the other models "
             "are loaded from their checkpoints) and evaluates anew.")
   if not os.path.isdir(folder):
-    raise common.CorruptOutput(f"{folder!r} is missing: {workdir!r} holds no "
+    raise workdirs.CorruptOutput(f"{folder!r} is missing: {workdir!r} holds no "
                                f"trained {name} at depth {depth}; " + remedy)
   with ocp.CheckpointManager(os.path.abspath(folder),
                              options=ocp.CheckpointManagerOptions(
@@ -458,14 +460,14 @@ def load_trained(config, workdir: str, *, name: str, depth: int
     step, state, _ = _restore(config, manager, wd, folder, state, losses,
                               name=name, depth=depth, remedy=remedy)
   if step != config.steps:
-    raise common.CorruptOutput(
+    raise workdirs.CorruptOutput(
         f"{folder!r} holds step {step}, not the run's last ({config.steps}); "
         + remedy)
   return split._replace(params=state.params)
 
 
-def train_one(config, *, name: str, depth: int, wd: common.Workdir,
-              progress: common.Progress, mesh, tracker: tracking.Tracker):
+def train_one(config, *, name: str, depth: int, wd: workdirs.Workdir,
+              progress: cli.Progress, mesh, tracker: tracking.Tracker):
   """Trains (or resumes, or loads) one model over the whole grid, on ``mesh``,
   checkpointed in ``checkpoints/<name>_L<depth>/`` of ``wd``.
 
@@ -699,7 +701,7 @@ def _best_etas(config, task) -> tuple[dict[int, float], dict[str, list]]:
   return best, {"etas": np.asarray(etas).tolist(), "val_loss": curves}
 
 
-def _write_figures(results: dict, wd: common.Workdir) -> None:
+def _write_figures(results: dict, wd: workdirs.Workdir) -> None:
   if "task" in results:  # a family of elsa.tasks
     wd.save_figure(plotting.train_loss(results), "figures/train_loss.png")
     wd.save_figure(_family_figure(results), "figures/test_loss_vs_depth.png")
@@ -759,14 +761,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
       tracker.close()
 
 
-def _run(config: ml_collections.ConfigDict, wd: common.Workdir, mesh,
+def _run(config: ml_collections.ConfigDict, wd: workdirs.Workdir, mesh,
          tracker: tracking.Tracker) -> dict:
   start = time.perf_counter()
   points = grid(config)
   logging.info("train: %d grid points in %d groups, each batch over %d of "
                "%d %s devices", len(points), mesh.shape["grid"],
                mesh.shape["batch"], mesh.size, jax.default_backend())
-  progress = common.Progress(
+  progress = cli.Progress(
       len(config.models) * len(config.depths) * config.steps * len(points),
       name="train", unit="steps")
   # Validation tasks: their own key (salt 30_000), never the test tasks'.
@@ -813,7 +815,7 @@ def _run(config: ml_collections.ConfigDict, wd: common.Workdir, mesh,
       results["test_loss"][name], gd)] for name in config.models}
   results["seconds"] = time.perf_counter() - start
   # What results.json will hold (non-finite numbers as None), returned too.
-  results = common.finite_or_none(results)
+  results = workdirs.finite_or_none(results)
   _track_evaluation(config, results, tracker)
   _write_figures(results, wd)
   wd.write_json("results.json", results)
@@ -891,11 +893,11 @@ def _check_task(config) -> None:
   sample prompts of the config's sizes (checked on shapes only)."""
   names = (DEFAULT_TASK, *task_families.FAMILIES)
   if config.task not in names:
-    raise common.ConfigError(f"config.task must be one of {', '.join(names)}, "
+    raise checks.ConfigError(f"config.task must be one of {', '.join(names)}, "
                              f"got {config.task!r}.")
   if config.task == DEFAULT_TASK:
     if config.task_options:
-      raise common.ConfigError(
+      raise checks.ConfigError(
           f"config.task_options are a family's options; task "
           f"{DEFAULT_TASK!r} takes none (its fields are the config's), got "
           f"{dict(config.task_options)}.")
@@ -905,7 +907,7 @@ def _check_task(config) -> None:
     jax.eval_shape(lambda key: spec.sample(key, batch=1, dtype=DTYPE),
                    jax.random.key(0))
   except (TypeError, ValueError) as err:
-    raise common.ConfigError(f"config.task_options: {err}") from None
+    raise checks.ConfigError(f"config.task_options: {err}") from None
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "tx", "batch",
@@ -1100,8 +1102,8 @@ def _run_task_runs(config, workdir: str, *, overwrite: bool) -> dict:
   for name, sub in subs.items():
     try:
       validate(sub)
-    except common.ConfigError as err:
-      raise common.ConfigError(f"config.task_runs.{name}: {err}") from None
+    except checks.ConfigError as err:
+      raise checks.ConfigError(f"config.task_runs.{name}: {err}") from None
   return {name: run(sub, os.path.join(workdir, name), overwrite=overwrite)
           for name, sub in subs.items()}
 
@@ -1119,6 +1121,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  common.define_flags("train")
+  cli.define_flags("train")
   distributed.define_flags()
   app.run(main)

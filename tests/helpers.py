@@ -8,7 +8,7 @@ checked with :func:`chex.assert_max_traces`.
 import matplotlib
 import numpy as np
 
-from experiments import common
+from experiments import cli
 
 
 def rel_err(got, want) -> float:
@@ -34,11 +34,11 @@ def rel_norm(got, want) -> float:
 
 
 def record_driver_run(monkeypatch, resumed: list) -> None:
-  """Appends every ``common.Progress.resumed`` count of a driver run to
+  """Appends every ``cli.Progress.resumed`` count of a driver run to
   ``resumed``, and fails the run if it switches matplotlib's backend (a
   driver draws its figures without pyplot state)."""
 
-  class Progress(common.Progress):
+  class Progress(cli.Progress):
     def resumed(self, count):
       resumed.append(count)
       super().resumed(count)
@@ -46,5 +46,5 @@ def record_driver_run(monkeypatch, resumed: list) -> None:
   def no_backend_switch(*args, **kwargs):
     raise AssertionError("the plot must not switch matplotlib's backend")
 
-  monkeypatch.setattr(common, "Progress", Progress)
+  monkeypatch.setattr(cli, "Progress", Progress)
   monkeypatch.setattr(matplotlib, "use", no_backend_switch)

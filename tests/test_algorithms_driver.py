@@ -14,7 +14,8 @@ import elsa
 from elsa import algorithms as algorithms_lib
 from elsa import programs
 from experiments import algorithms as driver
-from experiments import common
+from experiments import checks
+from experiments import metrics
 import helpers
 from experiments.configs import algorithms as algorithms_config
 
@@ -53,7 +54,7 @@ def _spy(monkeypatch):
 
 def _check_schema_and_counts(results, config):
   keys = [driver.kappa_key(k) for k in config.kappas]
-  assert results["config"] == common.config_dict(config)
+  assert results["config"] == checks.config_dict(config)
   for field in SAVED:
     assert set(results[field]) == set(config.algorithms)
     for name in config.algorithms:
@@ -167,7 +168,7 @@ def test_runner_is_the_compiled_stack_layer_by_layer(name, build):
           return_all=True))(x[i], y[i], xq[i], task_scalars)
       w = np.asarray(compiled.read(hs, "w"))[:budget + 1].reshape(budget + 1,
                                                                   -1)
-      want = common.relative_error(w, w_star[i].reshape(1, -1))
+      want = metrics.relative_error(w, w_star[i].reshape(1, -1))
       np.testing.assert_allclose(never[i], want, rtol=1e-9, atol=1e-15)
     tol = float(np.median(never[:, -1])) * 10
     stopped = np.asarray(run(*args, jnp.float64(tol)))
@@ -205,7 +206,7 @@ def test_bad_config_is_refused_before_the_workdir_is_touched(
     tmp_path, field, value, allowed):
   config = algorithms_config.get_config("tiny")
   config[field] = value
-  with pytest.raises(common.ConfigError, match=f"config\\.{field}.*{allowed}"):
+  with pytest.raises(checks.ConfigError, match=f"config\\.{field}.*{allowed}"):
     driver.run(config, str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run")
 
@@ -240,6 +241,6 @@ def test_sizes_and_indices_are_bounded_before_the_workdir_is_touched(
     field, value, allowed):
   config = algorithms_config.get_config("tiny")
   config[field] = value
-  with pytest.raises(common.ConfigError, match=allowed) as err:
+  with pytest.raises(checks.ConfigError, match=allowed) as err:
     driver.validate(config)
   assert "\n" not in str(err.value)

@@ -14,8 +14,9 @@ import pytest
 
 from elsa import ridge
 from experiments import benchmark
-from experiments import common
+from experiments import checks
 from experiments import sweep
+from experiments import workdirs
 from experiments.configs import benchmark as benchmark_config
 
 
@@ -39,8 +40,8 @@ def _per_round(ratio, config):
 
 def test_results_file_matches_returned_results(quick_run):
   config, workdir, results = quick_run
-  found = common.read_json(os.path.join(workdir, "results.json"))
-  assert found.pop("_check")["config_hash"] == common.config_hash(
+  found = workdirs.read_json(os.path.join(workdir, "results.json"))
+  assert found.pop("_check")["config_hash"] == checks.config_hash(
       benchmark_config.get_config("quick"))
   assert found == results
   assert set(results) >= {"machine", "square_matmul", "primitive", "stack",
@@ -191,13 +192,13 @@ def test_unknown_config_argument_and_bad_fields_are_refused(tmp_path):
       ("sweep_batches", (10 ** 7,), "sweep_batches.*GiB.*make them smaller")):
     config = benchmark_config.get_config("quick")
     config[field] = value
-    with pytest.raises(common.ConfigError, match=f"config[.:] ?{message}"):
+    with pytest.raises(checks.ConfigError, match=f"config[.:] ?{message}"):
       benchmark.run(config, str(tmp_path / "run"))
   # The quadratic order's budget is memory it may take: at m = 2^20 its
   # [m, m] scores need 8 TiB, so a budget that large cannot be met.
   config = benchmark_config.get_config("quick")
   config.tokens, config.quadratic_budget_gib = (2 ** 20,), 2.0 ** 40
-  with pytest.raises(common.ConfigError,
+  with pytest.raises(checks.ConfigError,
                      match="config: quadratic_budget_gib need about .* GiB"):
     benchmark.run(config, str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run")
@@ -209,7 +210,7 @@ def test_damaged_results_are_refused_by_name(quick_run, tmp_path):
   shutil.copytree(workdir, copy)
   with open(os.path.join(copy, "results.json"), "r+", encoding="utf-8") as f:
     f.truncate(100)
-  with pytest.raises(common.CorruptOutput,
+  with pytest.raises(workdirs.CorruptOutput,
                      match="results.json' is not valid JSON.*--overwrite"):
     benchmark.run(benchmark_config.get_config("quick"), copy)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from elsa import decompile as decompile_lib
-from experiments import common
+from experiments import checks
 from experiments import decompile
 from experiments.configs import decompile as decompile_config
 import helpers
@@ -132,7 +132,7 @@ def test_bad_configs_are_refused_before_the_workdir(tmp_path, field, value,
   config = _config()
   config[field] = value
   workdir = str(tmp_path / "run")
-  with pytest.raises(common.ConfigError, match=message):
+  with pytest.raises(checks.ConfigError, match=message):
     decompile.run(config, workdir)
   assert not os.path.exists(workdir)
 

@@ -13,8 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import common
+from experiments import checks
 from experiments import distributed
+from experiments import workdirs
 from tests import multiprocess
 
 SWEEP = ["--config=experiments/configs/sweep.py:tiny", "--config.depth=3",
@@ -319,7 +320,7 @@ def test_a_refusal_on_one_process_is_every_process_refusal(monkeypatch):
   posted["elsa/agree/0-validate/0"] = json.dumps(  # what process 0 posted
       ["ConfigError", "config: n_tasks need about 9 GiB, more than ..."])
   checked = []
-  with pytest.raises(common.ConfigError,
+  with pytest.raises(checks.ConfigError,
                      match=r"^process 0: config: n_tasks need about 9 GiB"):
     distributed.agree("validate", lambda: checked.append(1))
   assert checked == [1] and posted["elsa/agree/0-validate/1"] == "null"
@@ -328,5 +329,6 @@ def test_a_refusal_on_one_process_is_every_process_refusal(monkeypatch):
                                     lambda: None) == {"done": 1}
   posted["elsa/from0/2-read partial.json"] = json.dumps(
       ["CorruptOutput", "'partial.json' fails its checksum"])
-  with pytest.raises(common.CorruptOutput, match="^process 0: 'partial.json'"):
+  with pytest.raises(workdirs.CorruptOutput,
+                     match="^process 0: 'partial.json'"):
     distributed.from_process_0("read partial.json", lambda: None)

@@ -8,7 +8,8 @@ from matplotlib.figure import Figure
 import matplotlib.pyplot as plt
 import pytest
 
-from experiments import common
+from experiments import checks
+from experiments import workdirs
 import helpers
 from experiments import newton
 from experiments.configs import newton as newton_config
@@ -104,10 +105,10 @@ def test_driver_writes_results_figure_and_resumes(tmp_path, monkeypatch):
   # Altered numbers in a saved kappa are refused by name on resume.
   os.remove(os.path.join(workdir, "results.json"))
   path = os.path.join(workdir, "partial_kappa0.json")
-  altered = common.read_json(path)  # with its _check
+  altered = workdirs.read_json(path)  # with its _check
   altered["gd_plain"][0] += 1
-  common.write_json(path, altered)
-  with pytest.raises(common.CorruptOutput,
+  workdirs.write_json(path, altered)
+  with pytest.raises(workdirs.CorruptOutput,
                      match="partial_kappa0.json' fails its checksum.*"
                      "--overwrite"):
     newton.run(config, workdir)
@@ -144,7 +145,7 @@ def test_bad_config_is_refused_before_the_workdir_is_touched(
     tmp_path, field, value, allowed):
   config = newton_config.get_config("tiny")
   config[field] = value
-  with pytest.raises(common.ConfigError, match=f"config\\.{field}.*{allowed}"):
+  with pytest.raises(checks.ConfigError, match=f"config\\.{field}.*{allowed}"):
     newton.run(config, str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run")
 

@@ -18,8 +18,10 @@ import pytest
 
 from elsa import forms
 from elsa import ridge
-from experiments import common
+from experiments import checks
+from experiments import cli
 from experiments import sweep
+from experiments import workdirs
 from experiments.configs import sweep as sweep_config
 from tests import multiprocess
 
@@ -102,7 +104,7 @@ class _Killed(Exception):
 def _spy(monkeypatch, *, kill_after=None):
   """Counts compiled-function calls, chunk files written and resumed items."""
   seen = dict(calls=[], written=[], resumed=[])
-  real_build, real_write = sweep.build_measure, common.Workdir.write_npz
+  real_build, real_write = sweep.build_measure, workdirs.Workdir.write_npz
 
   def build(form, **kwargs):
     measure = real_build(form, **kwargs)
@@ -114,15 +116,16 @@ def _spy(monkeypatch, *, kill_after=None):
       return measure(*args)
     return counted
 
-  class Progress(common.Progress):
+  class Progress(cli.Progress):
     def resumed(self, count):
       seen["resumed"].append(count)
       super().resumed(count)
 
   monkeypatch.setattr(sweep, "build_measure", build)
-  monkeypatch.setattr(common.Workdir, "write_npz", lambda self, name, arrays: (
-      seen["written"].append(name), real_write(self, name, arrays)))
-  monkeypatch.setattr(common, "Progress", Progress)
+  monkeypatch.setattr(
+      workdirs.Workdir, "write_npz", lambda self, name, arrays: (
+          seen["written"].append(name), real_write(self, name, arrays)))
+  monkeypatch.setattr(cli, "Progress", Progress)
   return seen
 
 
@@ -195,8 +198,8 @@ def test_tiny_run_refuses_what_it_cannot_trust(tmp_path):
   assert os.path.exists(chunk)
   # While a run holds the workdir, another (another config, --overwrite) is
   # refused and changes nothing: no interleaved config.json and results.
-  with common.claim_workdir(workdir, config):
-    with pytest.raises(common.WorkdirInUse, match="in use by another run"):
+  with workdirs.claim_workdir(workdir, config):
+    with pytest.raises(workdirs.WorkdirInUse, match="in use by another run"):
       sweep.run(_tiny(forms=("designed",), depth=2, seed=1), workdir,
                 overwrite=True)
   assert _read(workdir, "config.json")["seed"] == 0
@@ -209,7 +212,7 @@ def test_tiny_run_refuses_what_it_cannot_trust(tmp_path):
     arrays = {k: data[k] for k in data.files}
   arrays["rel_err"] = arrays["rel_err"] * 0.5
   np.savez(chunk, **arrays)
-  with pytest.raises(common.CorruptOutput,
+  with pytest.raises(workdirs.CorruptOutput,
                      match="partial_designed_items0-8.npz.*checksum.*--overwrite"):
     sweep.run(config, workdir)
   # So is a truncated one.
@@ -217,7 +220,8 @@ def test_tiny_run_refuses_what_it_cannot_trust(tmp_path):
     head = f.read(100)
   with open(chunk, "wb") as f:
     f.write(head)
-  with pytest.raises(common.CorruptOutput, match="items0-8.npz.*not a readable"):
+  with pytest.raises(workdirs.CorruptOutput,
+                     match="items0-8.npz.*not a readable"):
     sweep.run(config, workdir)
   leftover = os.path.join(workdir, ".tmp-abcd1234results.json")
   with open(leftover, "w", encoding="utf-8") as f:
@@ -225,7 +229,7 @@ def test_tiny_run_refuses_what_it_cannot_trust(tmp_path):
   again = sweep.run(config, workdir, overwrite=True)
   assert again["records"] == first["records"]
   assert not os.path.exists(leftover)
-  assert not os.path.exists(os.path.join(workdir, common.LOCK))
+  assert not os.path.exists(os.path.join(workdir, workdirs.LOCK))
 
 
 def test_measure_task_detects_a_wrong_stack():
@@ -301,9 +305,9 @@ def test_cli_float64_sharded_on_four_devices_equals_one_device(tmp_path):
 def test_configs_name_their_command():
   """Every config file's docstring starts with the command that runs it."""
   for driver in ("sweep", "train", "newton", "benchmark"):
-    assert common.config_path(driver) == os.path.join(
+    assert cli.config_path(driver) == os.path.join(
         REPO, "experiments", "configs", f"{driver}.py")
-    assert os.path.exists(common.config_path(driver))
+    assert os.path.exists(cli.config_path(driver))
   folder = os.path.join(REPO, "experiments", "configs")
   names = sorted(f[:-3] for f in os.listdir(folder)
                  if f.endswith(".py") and f != "__init__.py")
@@ -327,9 +331,9 @@ def test_other_processes_take_process_0s_word_on_what_is_done(tmp_path,
   them for finished work of its own config.
   """
   workdir = str(tmp_path)
-  common.write_json(os.path.join(workdir, "config.json"), {"depth": 99})
+  workdirs.write_json(os.path.join(workdir, "config.json"), {"depth": 99})
   for name in ("results.json", "partial_designed.json"):
-    common.write_json(os.path.join(workdir, name), {"stale": True})
+    workdirs.write_json(os.path.join(workdir, name), {"stale": True})
   before = sorted(os.listdir(workdir))
   claimed, broadcast = [], []
 
@@ -376,13 +380,13 @@ def test_other_processes_take_process_0s_word_on_what_is_done(tmp_path,
 def test_bad_config_is_refused_before_the_workdir_is_touched(
     tmp_path, field, value, allowed):
   workdir = str(tmp_path / "run")
-  with pytest.raises(common.ConfigError, match=f"config\\.{field}.*{allowed}"):
+  with pytest.raises(checks.ConfigError, match=f"config\\.{field}.*{allowed}"):
     sweep.run(_tiny(**{field: value}), workdir)
   assert not os.path.exists(workdir)
 
 
 def test_sizes_that_cannot_fit_are_refused_in_one_line(tmp_path):
-  with pytest.raises(common.ConfigError, match=r"GiB.*make them smaller") as e:
+  with pytest.raises(checks.ConfigError, match=r"GiB.*make them smaller") as e:
     sweep.run(_tiny(d=100_000, n_train=100_000), str(tmp_path / "run"))
   assert "\n" not in str(e.value)
   assert not os.path.exists(tmp_path / "run")
@@ -406,7 +410,7 @@ def test_config_variants_and_list_overrides_from_the_command_line():
     for field in _list_fields(module.get_config(variant)):
       value = module.get_config(variant)[field]
       value = value[::-1] if len(value) > 1 else value + value[:0]
-      arg = common.config_path(driver) + (f":{variant}" if variant else "")
+      arg = cli.config_path(driver) + (f":{variant}" if variant else "")
       argv = ["prog", f"--config={arg}", f"--config.{field}={value!r}"]
       values = flags.FlagValues()
       config_flags.DEFINE_config_file("config", flag_values=values,
@@ -415,7 +419,7 @@ def test_config_variants_and_list_overrides_from_the_command_line():
       expected = module.get_config(variant)
       expected[field] = value
       assert values.config[field] == value, (driver, field)
-      assert common.config_dict(values.config) == common.config_dict(expected)
+      assert checks.config_dict(values.config) == checks.config_dict(expected)
       checked.add((driver, field))
     with pytest.raises(ValueError, match=f"{driver} config: unknown "
                        "argument 'quik'; known: '"):

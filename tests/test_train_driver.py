@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import common
+from experiments import checks
+from experiments import cli
 from experiments import decompile
 from experiments import train
+from experiments import workdirs
 from experiments.configs import decompile as decompile_config
 from experiments.configs import train as train_config
 
@@ -45,7 +47,7 @@ def _checkpoints(workdir: str, model: str = "elsa_trained_L1") -> list[str]:
 
 def _check_results(config, workdir: str, results: dict) -> None:
   # Written through the workdir contract: tied to the config, checksummed.
-  assert common.Workdir(workdir, config).read_json("results.json") == results
+  assert workdirs.Workdir(workdir, config).read_json("results.json") == results
   losses = results["test_loss"]
   assert set(losses) == {*MODELS, *BASELINES}
   for name in (*MODELS, *BASELINES):
@@ -125,7 +127,7 @@ def test_results_rerun_and_resume(tmp_path, monkeypatch):
   # Interrupt: drop the results and the last checkpoint of one model; the
   # rerun resumes at step 10 and, seeing the same batches, ends identically.
   resumed_at = []
-  monkeypatch.setattr(common.Progress, "resumed",
+  monkeypatch.setattr(cli.Progress, "resumed",
                       lambda self, count: resumed_at.append(count))
   os.remove(os.path.join(workdir, "results.json"))
   shutil.rmtree(os.path.join(workdir, "checkpoints", "elsa_trained_L1", "20"))
@@ -153,7 +155,7 @@ def test_overwrite_does_not_resume_old_checkpoints(tmp_path, monkeypatch):
   config.seed = 1  # new initial weights and batches: new losses
   config.keep_checkpoints = 1
   resumed_at = []
-  monkeypatch.setattr(common.Progress, "resumed",
+  monkeypatch.setattr(cli.Progress, "resumed",
                       lambda self, count: resumed_at.append(count))
   mine = os.path.join(workdir, "checkpoints", "README_mine.txt")
   with open(mine, "w", encoding="utf-8") as f:
@@ -165,8 +167,8 @@ def test_overwrite_does_not_resume_old_checkpoints(tmp_path, monkeypatch):
   assert _checkpoints(workdir) == ["20"]
   assert _checkpoints(workdir, "lsa_trained_L1") == ["20"]
   assert _checkpoints(workdir, "lsa_residual_trained_L1") == ["20"]
-  assert common.read_json(os.path.join(workdir, "config.json")) == (
-      common.config_dict(config))
+  assert workdirs.read_json(os.path.join(workdir, "config.json")) == (
+      checks.config_dict(config))
   assert new["train_loss"] != results["train_loss"]
 
 
@@ -189,11 +191,11 @@ def test_config_variants():
 def test_bad_models_and_grids_are_refused(tmp_path):
   config = _config()
   config.models = ("elsa_trained", "transformer")
-  with pytest.raises(common.ConfigError, match="models"):
+  with pytest.raises(checks.ConfigError, match="models"):
     train.run(config, str(tmp_path / "a"))
   config = _config()
   config.init_scales = ()
-  with pytest.raises(common.ConfigError, match="init_scales"):
+  with pytest.raises(checks.ConfigError, match="init_scales"):
     train.run(config, str(tmp_path / "b"))
 
 
@@ -213,7 +215,7 @@ def test_bad_config_is_refused_before_the_workdir_is_touched(
   config = _config()
   config[field] = value
   workdir = tmp_path / "run"
-  with pytest.raises(common.ConfigError, match=pattern):
+  with pytest.raises(checks.ConfigError, match=pattern):
     train.run(config, str(workdir))
   assert not workdir.exists()
 
@@ -249,7 +251,7 @@ def test_a_foreign_or_damaged_checkpoint_is_refused_by_name(tmp_path,
   shutil.rmtree(step)
   shutil.copytree(os.path.join(other, folder, "20"), step)
   os.remove(os.path.join(mine, "results.json"))
-  with pytest.raises(common.CorruptOutput,
+  with pytest.raises(workdirs.CorruptOutput,
                      match=f"elsa_trained_L1/20' was written by another "
                      f"config.*delete '.*{folder}'.*--overwrite") as err:
     train.run(_checkpoint_config(0), mine)
@@ -262,7 +264,7 @@ def test_a_foreign_or_damaged_checkpoint_is_refused_by_name(tmp_path,
       with open(path, "r+b") as f:
         f.write(bytes(os.path.getsize(path)))
   os.remove(os.path.join(other, "results.json"))
-  with pytest.raises(common.CorruptOutput,
+  with pytest.raises(workdirs.CorruptOutput,
                      match=f"elsa_trained_L1/20' .*not a readable checkpoint"
                      f".*delete '.*{folder}'") as err:
     train.run(_checkpoint_config(1), other)
@@ -277,7 +279,7 @@ def _follow_way_outs(run, expected: list[str]) -> dict:
   ``expected`` and name a path to delete, which is deleted (what a user does)
   before the next call. Returns what the finished run returned."""
   for pattern in expected:
-    with pytest.raises((common.CorruptOutput, common.WorkdirInUse),
+    with pytest.raises((workdirs.CorruptOutput, workdirs.WorkdirInUse),
                        match=pattern) as err:
       run()
     message = str(err.value)
@@ -352,7 +354,7 @@ def test_every_field_is_checked_before_the_workdir_is_claimed(
   config[field] = value
   if field == "n_test":
     config.eval_chunk = value
-  with pytest.raises(common.ConfigError, match=pattern) as err:
+  with pytest.raises(checks.ConfigError, match=pattern) as err:
     train.validate(config)
   assert "\n" not in str(err.value)
 
@@ -409,7 +411,7 @@ def test_decompile_way_outs_lead_to_a_finished_run(tmp_path, monkeypatch):
   config = _decompile_config()
   config.train_workdir = other
   fresh = str(tmp_path / "fresh")
-  with pytest.raises(common.WorkdirInUse, match=(
+  with pytest.raises(workdirs.WorkdirInUse, match=(
       f"workdir '{other}' holds results of a different config \\(fields that "
       "differ: seed\\); pass another --config.train_workdir .* or delete "
       f"'{other}' to train there afresh; nothing was written.")):

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from elsa import algorithms, programs, ridge, tasks
-from experiments import common
+from experiments import checks
 from experiments import train
+from experiments import workdirs
 from experiments.configs import train as train_config
 
 
@@ -80,7 +81,7 @@ def test_driver_trains_and_evaluates_families(tmp_path):
   assert set(out) == {"nonzero_mean", "decision_tree"}
   res = out["nonzero_mean"]
   sub = train._task_run_config(config, "nonzero_mean")  # pylint: disable=protected-access
-  assert common.Workdir(str(tmp_path / "nonzero_mean"), sub).read_json(
+  assert workdirs.Workdir(str(tmp_path / "nonzero_mean"), sub).read_json(
       "results.json") == res
   assert res["task"] == "nonzero_mean" and res["best_reference"] == "bayes"
   assert res["task_options"]["mu_scale"] == 1.0
@@ -125,7 +126,7 @@ def test_bad_task_configs_are_refused_before_the_workdir(tmp_path, change,
                                                          message):
   config = _config({"bad": change})
   workdir = tmp_path / "w"
-  with pytest.raises(common.ConfigError, match=message):
+  with pytest.raises(checks.ConfigError, match=message):
     train.run(config, str(workdir))
   assert not workdir.exists()
 

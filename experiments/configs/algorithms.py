@@ -14,7 +14,7 @@ for the run and restores the previous setting after it.
 
 import ml_collections
 
-from experiments import common
+from experiments import checks
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -23,7 +23,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   ``arg``: ``None`` for the default, ``"tiny"`` for the seconds-long variant
   (2 programs, 2 kappas, small tasks).
   """
-  arg = common.variant("algorithms", arg, ("tiny",))
+  arg = checks.variant("algorithms", arg, ("tiny",))
   config = ml_collections.ConfigDict()
   config.seed = 0
   # Names in elsa.algorithms.ALGORITHMS.

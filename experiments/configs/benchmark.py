@@ -15,12 +15,12 @@ TPU. With float64 in ``dtypes`` the run turns on
 
 import ml_collections
 
-from experiments import common
+from experiments import checks
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The full benchmark; ``arg == 'quick'`` gives tiny sizes and few repetitions."""
-  arg = common.variant("benchmark", arg, ("quick",))
+  arg = checks.variant("benchmark", arg, ("quick",))
   config = ml_collections.ConfigDict()
   config.seed = 0
   # Which parts run, in order (experiments.benchmark.PARTS).

@@ -18,13 +18,13 @@ Variants (``--config=experiments/configs/decompile.py:NAME``):
 
 import ml_collections
 
-from experiments import common
+from experiments import checks
 from experiments.configs import train as train_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The default run, or the variant ``arg`` (``tiny``, ``vonoswald``)."""
-  arg = common.variant("decompile", arg, ("tiny", "vonoswald"))
+  arg = checks.variant("decompile", arg, ("tiny", "vonoswald"))
   config = ml_collections.ConfigDict()
   config.seed = 0
   # The training run whose models are decompiled (the same config the train

@@ -12,12 +12,12 @@ setting after it.
 
 import ml_collections
 
-from experiments import common
+from experiments import checks
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The default run (6 kappas up to 1e6); ``arg='tiny'``: 2 kappas, small tasks."""
-  arg = common.variant("newton", arg, ("tiny",))
+  arg = checks.variant("newton", arg, ("tiny",))
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.kappas = (10.0, 1e2, 1e3, 1e4, 1e5, 1e6)  # each >= 1

@@ -12,7 +12,7 @@ Runs in well under a minute on 2 CPU cores (see BUILD_NOTES.md, "The sweep").
 
 import ml_collections
 
-from experiments import common
+from experiments import checks
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -20,7 +20,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   ``arg``: ``None`` for the default, ``"tiny"`` for the seconds-long variant.
   """
-  arg = common.variant("sweep", arg, ("tiny",))
+  arg = checks.variant("sweep", arg, ("tiny",))
   config = ml_collections.ConfigDict()
   config.seed = 0
   # Input forms to sweep, names of elsa.forms classes in lower case.

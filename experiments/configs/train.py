@@ -33,7 +33,7 @@ Override any field, e.g. ``--config.depths='(1, 2, 4, 8)' --config.steps=4000``.
 
 import ml_collections
 
-from experiments import common
+from experiments import checks
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -42,7 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   only = None
   if arg and arg.startswith("tasks."):  # one run of the tasks variant
     arg, only = "tasks", arg[len("tasks."):]
-  arg = common.variant("train", arg, ("tiny", "grid", "vonoswald", "tasks"))
+  arg = checks.variant("train", arg, ("tiny", "grid", "vonoswald", "tasks"))
   config = ml_collections.ConfigDict()
   config.seed = 0
   # The task: "ridge" (the fields below, with shifts) or a family of

@@ -1,11 +1,12 @@
-"""What every driver shares: config checks, the workdir contract, atomic writes, progress lines.
+"""The workdir contract: how a driver writes, and what ``--overwrite`` deletes.
 
-A driver validates its config (:class:`ConfigError`, before anything is
+A driver checks its config (:mod:`experiments.checks`, before anything is
 written), then claims ``--workdir`` with :func:`claim_workdir` and writes
 through the :class:`Workdir` it gets. The workdir then guarantees:
 
 * Atomic files: each is written to a ``.tmp-*`` file and renamed into place;
   leftover ``.tmp-*`` files of a killed run are removed by the next claim.
+  JSON is strict: NaN and inf are written as ``null``.
 * One run at a time: the claim holds ``.elsa-lock`` (``flock``, which the
   kernel releases when the process ends, however it ends).
 * One config: ``config.json`` holds it in canonical form (NaN as ``"nan"``,
@@ -14,14 +15,19 @@ through the :class:`Workdir` it gets. The workdir then guarantees:
   of its content, verified when read: one of another config, altered or
   truncated is refused, naming the file and the way out.
 * Ownership by record: each write is first recorded in the manifest
-  ``.elsa-outputs.json`` and never passes through a symlink. ``overwrite``
-  deletes what the manifest records (and ``config.json``, ``results.json``),
-  reached without following a symlink (a link is removed as a link), a
-  folder only if the driver made it for other code to fill; every other
-  file stays, whatever its name. The manifest carries a checksum and is
-  read without following a symlink: an edited, damaged or linked manifest
-  (or a damaged ``config.json``) is refused by name, and ``overwrite``
-  clears it without deleting anything it names.
+  ``.elsa-outputs.json`` and never passes through a symlink. The manifest
+  carries a checksum and is read without following a symlink: an edited,
+  damaged or linked manifest (or a damaged ``config.json``) is refused by
+  name.
+
+What ``overwrite`` deletes: the files the manifest records, the folders it
+records as made for other code to fill (whole), ``config.json`` and
+``results.json``, and then the manifest; each reached without following a
+symlink (a link is removed as a link). What it never deletes: any other
+file, whatever its name; anything outside the workdir or behind a symlink;
+a folder where the driver recorded a file; anything a damaged manifest
+names (it then clears the manifest and deletes only ``config.json`` and
+``results.json``).
 """
 
 from __future__ import annotations
@@ -38,194 +44,13 @@ import socket
 import stat
 import tempfile
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
-from absl import app
-from absl import flags
 from absl import logging
-import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-
-# --- relative error ----------------------------------------------------------
-
-
-def relative_error(a, b):
-  r"""``||a - b||_2 / max(||b||_2, tiny)`` over the last axis: ``[...]`` from ``[..., d]``.
-
-  ``tiny = finfo(dtype of b).tiny`` keeps ``b = 0`` finite. numpy in, numpy
-  out (in the inputs' precision); JAX arrays (also traced ones) in, JAX out.
-  The one definition every driver reports.
-  """
-  xp = jnp if isinstance(a, jax.Array) or isinstance(b, jax.Array) else np
-  a, b = xp.asarray(a), xp.asarray(b)
-  tiny = xp.finfo(b.dtype).tiny
-  return (xp.linalg.norm(a - b, axis=-1)
-          / xp.maximum(xp.linalg.norm(b, axis=-1), tiny))
-
-
-# --- config checks -----------------------------------------------------------
-
-
-class ConfigError(ValueError):
-  """A config field outside its allowed range; one line naming the field."""
-
-
-def _range_text(low, high, low_open: bool, high_open: bool) -> str:
-  num = lambda x: str(x) if isinstance(x, int) else f"{x:g}"
-  if low is not None and high is not None:
-    return (f"in {'(' if low_open else '['}{num(low)}, {num(high)}"
-            f"{')' if high_open else ']'}")
-  if low is not None:
-    return f"{'>' if low_open else '>='} {num(low)}"
-  if high is not None:
-    return f"{'<' if high_open else '<='} {num(high)}"
-  return "finite"
-
-
-def _check_number(name: str, value, *, integer: bool, low=None, high=None,
-                  low_open: bool = False, high_open: bool = False):
-  kind = "an int" if integer else "a finite number"
-  want = f"{kind} {_range_text(low, high, low_open, high_open)}"
-  numbers = (int, np.integer) if integer else (int, float, np.integer,
-                                               np.floating)
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers):
-    raise ConfigError(f"config.{name} must be {want}, got {value!r}.")
-  ok = math.isfinite(value)
-  ok = ok and (low is None or (value > low if low_open else value >= low))
-  ok = ok and (high is None or (value < high if high_open else value <= high))
-  if not ok:
-    raise ConfigError(f"config.{name} must be {want}, got {value!r}.")
-  return value
-
-
-def check_int(config, field: str, *, low: int = 1, high: int | None = None
-              ) -> int:
-  """``config[field]``, an int in ``[low, high]``, else :class:`ConfigError`."""
-  return _check_number(field, config[field], integer=True, low=low, high=high)
-
-
-def check_float(config, field: str, *, low=None, high=None,
-                low_open: bool = False, high_open: bool = False) -> float:
-  """``config[field]``, a finite number in the range (NaN and inf refused)."""
-  return _check_number(field, config[field], integer=False, low=low,
-                       high=high, low_open=low_open, high_open=high_open)
-
-
-def check_choice(config, field: str, choices: Sequence[str]) -> str:
-  """``config[field]``, one of ``choices``."""
-  value = config[field]
-  if value not in choices:
-    raise ConfigError(f"config.{field} must be one of {list(choices)}, got "
-                      f"{value!r}.")
-  return value
-
-
-def check_items(config, field: str, *, integer: bool = False,
-                choices: Sequence[str] | None = None, allow_empty: bool = False,
-                **number_range) -> tuple:
-  """``config[field]``, a tuple (or list) of distinct items that each pass the check.
-
-  Items are strings from ``choices`` if given, else numbers (ints if
-  ``integer``) in the range ``low``/``high``/``low_open``/``high_open`` of
-  :func:`check_float`. A repeat is refused: a grid axis lists each value once.
-  """
-  items = config[field]
-  if not isinstance(items, (tuple, list)) or (not items and not allow_empty):
-    raise ConfigError(f"config.{field} must be a non-empty tuple, got "
-                      f"{items!r}.")
-  for i, item in enumerate(items):
-    if choices is not None:
-      if item not in choices:
-        raise ConfigError(f"config.{field}[{i}] must be one of "
-                          f"{list(choices)}, got {item!r}.")
-    else:
-      _check_number(f"{field}[{i}]", item, integer=integer, **number_range)
-    if item in items[:i]:
-      raise ConfigError(f"config.{field}[{i}] repeats config.{field}"
-                        f"[{list(items).index(item)}] ({item!r}); list each "
-                        "value once.")
-  return tuple(items)
-
-
-# jax.random.key and numpy's generators take seeds up to this.
-_MAX_SEED = 2 ** 63 - 1
-
-
-def check_seed(config, field: str = "seed") -> int:
-  """``config[field]``, an int in ``[0, 2**63 - 1]`` (what ``jax.random.key`` takes)."""
-  return check_int(config, field, low=0, high=_MAX_SEED)
-
-
-def memory_bytes() -> int:
-  """What one process may hold: host RAM, or its smallest device's memory if
-  smaller (this process's devices only: another host's cannot be asked)."""
-  limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  for device in jax.local_devices():
-    stats = device.memory_stats() or {}
-    if stats.get("bytes_limit"):
-      limit = min(limit, int(stats["bytes_limit"]))
-  return limit
-
-
-def check_fits(nbytes: float, *, fields: str) -> None:
-  """Refuses, in one line rather than inside XLA mid-run, a config whose
-  arrays (``nbytes``, estimated) exceed :func:`memory_bytes`."""
-  limit = memory_bytes()
-  if nbytes > limit:
-    raise ConfigError(f"config: {fields} need about {nbytes / 2**30:.3g} GiB, "
-                      f"more than the {limit / 2**30:.3g} GiB this machine "
-                      "has; make them smaller.")
-
-
-def canonical(obj: Any) -> Any:
-  """``obj`` as plain JSON types: tuples as lists, non-finite floats as the
-  strings ``"nan"``, ``"inf"``, ``"-inf"`` (so NaN equals NaN), numpy scalars
-  as Python numbers. Configs are compared and hashed in this form."""
-  if isinstance(obj, (bool, np.bool_)):
-    return bool(obj)
-  if isinstance(obj, (float, np.floating)):
-    return float(obj) if math.isfinite(obj) else str(float(obj))
-  if isinstance(obj, np.integer):
-    return int(obj)
-  if isinstance(obj, dict):
-    return {str(k): canonical(v) for k, v in obj.items()}
-  if isinstance(obj, (list, tuple)):
-    return [canonical(v) for v in obj]
-  return obj
-
-
-def config_dict(config: ml_collections.ConfigDict) -> dict:
-  """The config in canonical form (what ``config.json`` holds)."""
-  return canonical(json.loads(config.to_json_best_effort(sort_keys=True)))
-
-
-def _digest(obj: Any) -> str:
-  text = json.dumps(obj, sort_keys=True, separators=(",", ":"),
-                    allow_nan=False)
-  return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _numbers_alike(obj: Any) -> Any:
-  """``obj`` with ints as floats where exact (bools stay bools), as the hash
-  sees it: ``--config.lams='(0, 0.1)'`` resumes a run of ``(0.0, 0.1)``."""
-  if isinstance(obj, bool):
-    return obj
-  if isinstance(obj, int):
-    return float(obj) if abs(obj) <= 2 ** 53 else obj
-  if isinstance(obj, dict):
-    return {k: _numbers_alike(v) for k, v in obj.items()}
-  if isinstance(obj, list):
-    return [_numbers_alike(v) for v in obj]
-  return obj
-
-
-def config_hash(config: ml_collections.ConfigDict) -> str:
-  """A hash of the canonical config; equal configs, equal hashes (numbers by
-  value: ``0`` and ``0.0`` alike, as ``==`` has them)."""
-  return _digest(_numbers_alike(config_dict(config)))[:16]
+from experiments import checks
 
 
 # --- files -------------------------------------------------------------------
@@ -350,7 +175,7 @@ class Workdir:
 
   def __init__(self, root: str, config: ml_collections.ConfigDict):
     self.root = root
-    self.config_hash = config_hash(config)
+    self.config_hash = checks.config_hash(config)
 
   def path(self, name: str) -> str:
     return os.path.join(self.root, name)
@@ -398,7 +223,7 @@ class Workdir:
     obj = finite_or_none(obj)
     self.own(name)
     write_json(self.path(name), {**obj, _CHECK: dict(
-        config_hash=self.config_hash, sha256=_digest(obj))})
+        config_hash=self.config_hash, sha256=checks.digest(obj))})
 
   def read_json(self, name: str) -> dict | None:
     """What :meth:`write_json` wrote as ``name``, verified (else
@@ -410,7 +235,7 @@ class Workdir:
     check = obj.pop(_CHECK, None) if isinstance(obj, dict) else None
     check = check if isinstance(check, dict) else {}
     self._verify(path, check.get("config_hash"),
-                 check.get("sha256") == _digest(obj))
+                 check.get("sha256") == checks.digest(obj))
     return obj
 
   def results(self, compute, *, name: str) -> dict:
@@ -538,7 +363,7 @@ def _write_manifest(root: str, recorded: dict[str, set[str]]) -> None:
   them under ``"_check"`` (an edited manifest must not steer ``overwrite``)."""
   listed = {kind: sorted(names) for kind, names in recorded.items()}
   write_json(os.path.join(root, MANIFEST),
-             {**listed, _CHECK: {"sha256": _digest(listed)}})
+             {**listed, _CHECK: {"sha256": checks.digest(listed)}})
 
 
 def _read_manifest(path: str) -> dict[str, set[str]] | None:
@@ -557,7 +382,7 @@ def _read_manifest(path: str) -> dict[str, set[str]] | None:
   except CorruptOutput:
     raise CorruptOutput("is not valid JSON") from None
   check = found.pop(_CHECK, None) if isinstance(found, dict) else None
-  if not isinstance(check, dict) or check.get("sha256") != _digest(found):
+  if not isinstance(check, dict) or check.get("sha256") != checks.digest(found):
     raise CorruptOutput("fails its checksum (altered, or written by an older "
                         "version)")
   if set(found) <= {"files", "trees"} and all(
@@ -674,11 +499,12 @@ def check_other_workdir(root: str, config: ml_collections.ConfigDict, *,
     found = read_json(os.path.join(root, "config.json"))
   except CorruptOutput:
     return  # the claim there refuses it, by name
-  if isinstance(found, dict) and canonical(found) != config_dict(config):
+  wanted = checks.config_dict(config)
+  if isinstance(found, dict) and checks.canonical(found) != wanted:
+    changed = _changed(checks.canonical(found), wanted)
     raise WorkdirInUse(
         f"workdir {root!r} holds results of a different config (fields that "
-        f"differ: {', '.join(_changed(canonical(found), config_dict(config)))}"
-        f"); {remedy}")
+        f"differ: {', '.join(changed)}); {remedy}")
 
 
 def _check_config_json(root: str, wanted: dict, overwrite: bool,
@@ -696,7 +522,7 @@ def _check_config_json(root: str, wanted: dict, overwrite: bool,
         f"{path!r} is damaged (not a JSON object), so nothing says which "
         "config made this workdir's outputs. Rerun with --overwrite to start "
         "afresh, or use another --workdir.")
-  found = canonical(found)
+  found = checks.canonical(found)
   outputs = [n for n in recorded["files"] | recorded["trees"] | {_FIXED[1]}
              if n != _FIXED[0] and os.path.lexists(os.path.join(root, n))]
   if overwrite or found == wanted or (found is None and not outputs):
@@ -736,7 +562,7 @@ def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
   with _locked(workdir):
     recorded = _manifest(workdir, overwrite=overwrite)
     _remove_leftover_tmp(workdir, recorded)
-    wanted = config_dict(config)
+    wanted = checks.config_dict(config)
     _check_config_json(workdir, wanted, overwrite, recorded)
     if overwrite:
       deleted = _delete_outputs(workdir, recorded)
@@ -746,149 +572,3 @@ def claim_workdir(workdir: str, config: ml_collections.ConfigDict, *,
     write_json(os.path.join(workdir, "config.json"), wanted)
     yield Workdir(workdir, config)
 
-
-def per_kappa(config, wd: "Workdir", compute, *, name: str) -> list[dict]:
-  """``compute(kappa, rng)`` for every ``config.kappas`` at the highest matmul
-  precision, each saved as ``partial_kappa<i>.json`` when done and loaded on
-  a rerun; non-finite numbers as ``None``. ``rng`` is
-  ``np.random.default_rng([config.seed, i])``: a resumed kappa draws the
-  same."""
-  names = [f"partial_kappa{i}.json" for i in range(len(config.kappas))]
-  results = [wd.read_json(n) for n in names]
-  progress = Progress(len(names), name=name, unit="kappas")
-  progress.resumed(sum(r is not None for r in results))
-  with jax.default_matmul_precision("highest"):
-    for i, kappa in enumerate(config.kappas):
-      if results[i] is None:
-        rng = np.random.default_rng([config.seed, i])
-        results[i] = finite_or_none(compute(float(kappa), rng))
-        wd.write_json(names[i], results[i])
-        progress.update()
-  return results
-
-
-# --- progress and the command line -------------------------------------------
-
-
-class Progress:
-  """Logs ``done/total``, rate and ETA at most every ``every_s`` seconds."""
-
-  def __init__(self, total: int, *, name: str, unit: str = "items",
-               every_s: float = 5.0):
-    self.total, self.name, self.unit, self.every_s = total, name, unit, every_s
-    self.done = self._resumed = 0
-    self._start = self._last = time.perf_counter()
-
-  def resumed(self, count: int) -> None:
-    """Counts ``count`` items finished by an earlier run (not in the rate)."""
-    self.done += count
-    self._resumed += count
-
-  def update(self, count: int = 1) -> None:
-    self.done += count
-    now = time.perf_counter()
-    if now - self._last < self.every_s and self.done < self.total:
-      return
-    self._last = now
-    rate = (self.done - self._resumed) / max(now - self._start, 1e-9)
-    eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-    logging.info("%s: %d/%d %s, %.3g %s/s, ETA %.0f s", self.name, self.done,
-                 self.total, self.unit, rate, self.unit, eta)
-
-
-@contextlib.contextmanager
-def float_dtype_enabled(dtype: str) -> Iterator[Any]:
-  """Yields ``jnp.dtype(dtype)`` (``"float32"`` or ``"float64"``), with
-  ``jax_enable_x64`` on inside the block for float64 (restored after)."""
-  if dtype == "float64":
-    with jax.enable_x64(True):
-      yield jnp.dtype(jnp.float64)
-  else:
-    yield jnp.dtype(dtype)
-
-
-class UnknownVariant(ValueError):
-  """A config file's ``get_config(arg)`` got an ``arg`` it does not know."""
-
-
-def variant(driver: str, arg: str | None, known: Sequence[str]) -> str | None:
-  """``arg`` of ``get_config(arg)`` (``None`` or ``""``: the default), checked.
-
-  Raises:
-    UnknownVariant: naming ``arg`` and the ``known`` ones.
-  """
-  if arg in (None, ""):
-    return None
-  if arg not in known:
-    raise UnknownVariant(f"{driver} config: unknown argument {arg!r}; "
-                         f"known: {', '.join(repr(k) for k in known)} (or "
-                         "none for the default).")
-  return arg
-
-
-def config_path(config_name: str) -> str:
-  """``experiments/configs/<config_name>.py``, found next to this file (any cwd)."""
-  return os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
-                      f"{config_name}.py")
-
-
-def _no_such_field(err: Exception, config_file: str) -> str:
-  from ml_collections.config_flags import config_flags  # pylint: disable=g-import-not-at-top
-  fields = config_flags.ConfigFileFlagParser("config").parse(config_file)
-  return (f"unknown config field {str(err).strip(chr(34))}; the config's "
-          f"fields are {', '.join(sorted(fields))}.")
-
-
-def define_flags(config_name: str) -> None:
-  """``--config`` (default ``experiments/configs/<config_name>.py``, a variant
-  as ``...py:tiny``, fields as ``--config.FIELD=VALUE``, tuples as
-  ``--config.FIELD='(1, 2)'``), ``--workdir`` and ``--overwrite``. Called
-  only under ``__main__``, so tests and notebooks import every driver."""
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  # An unknown --config.FIELD fails in ml_collections, here (the default
-  # file) or when absl parses --config=FILE: reported in one line either way.
-  default = config_path(config_name)
-  try:
-    holder = config_flags.DEFINE_config_file(
-        "config", default=default,
-        help_string="Config file (experiments/configs/*.py).")
-  except (AttributeError, KeyError) as err:
-    raise SystemExit(f"{config_name}: {_no_such_field(err, default)}") from None
-  parse = flags.FLAGS[holder.name]._parse  # pylint: disable=protected-access
-
-  def parse_naming_unknown_fields(argument):
-    try:
-      return parse(argument)
-    except (AttributeError, KeyError) as err:  # absl reports it in one line
-      raise flags.IllegalFlagValueError(_no_such_field(err, argument)) from None
-    except flags.IllegalFlagValueError as err:
-      # An unknown variant: ml_collections puts the traceback in the message
-      # (absl recasts it); its last line ends in ours.
-      marker = f"{UnknownVariant.__module__}.{UnknownVariant.__name__}: "
-      if marker not in str(err):
-        raise
-      raise flags.IllegalFlagValueError(
-          str(err).rsplit(marker, 1)[1].strip()) from None
-
-  flags.FLAGS[holder.name]._parse = parse_naming_unknown_fields  # pylint: disable=protected-access
-  flags.DEFINE_string("workdir", None, "Where config.json, results and figures go.",
-                      required=True)
-  flags.DEFINE_bool("overwrite", False,
-                    "Start afresh: delete what this driver wrote in --workdir "
-                    "(of any config) before running; other files stay.")
-
-
-def run_main(argv, name: str, run, **kwargs):
-  """Calls ``run(config, workdir, overwrite=..., **kwargs)`` from the flags.
-
-  A refused config, workdir or output is the user's call, not a bug: it ends
-  the program with a one-line message, without traceback.
-  """
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  config = flags.FLAGS.config
-  try:
-    return run(config, flags.FLAGS.workdir, overwrite=flags.FLAGS.overwrite,
-               **kwargs)
-  except (ConfigError, WorkdirInUse, UnusableWorkdir, CorruptOutput) as refusal:
-    raise SystemExit(f"{name}: {refusal}") from None

@@ -1,4 +1,4 @@
-"""The workdir contract every driver shares (experiments/common.py)."""
+"""The workdir contract every driver shares (experiments/workdirs.py)."""
 
 import contextlib
 import json
@@ -8,12 +8,12 @@ import stat
 import subprocess
 import sys
 
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
-from experiments import common
+from experiments import checks
+from experiments import workdirs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,9 +30,9 @@ def _write(path, text="mine"):
 
 def test_matching_config_is_claimed_again_and_keeps_results(tmp_path):
   workdir = str(tmp_path)
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     wd.write_json("results.json", {"done": 1})
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     assert wd.read_json("results.json") == {"done": 1}
 
 
@@ -40,7 +40,7 @@ def test_overwrite_deletes_only_what_the_driver_wrote(tmp_path):
   """Manifest names (a checkpoint tree whole), config/results go; the user's
   look-alikes (results_analysis/, partial_derivatives.txt) stay."""
   workdir = str(tmp_path)
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     wd.write_json("results.json", {})
     wd.write_json("partial_designed.json", {})
     wd.write_npz("partial_designed_items0-8.npz", {"a": np.zeros(3)})
@@ -51,11 +51,11 @@ def test_overwrite_deletes_only_what_the_driver_wrote(tmp_path):
           "figures/mine.png", "config.json.bak", "notes.json"]
   for name in mine:
     _write(os.path.join(workdir, name))
-  with pytest.raises(common.WorkdirInUse, match=r"fields that differ: depth"):
-    with common.claim_workdir(workdir, _config(depth=4)):
+  with pytest.raises(workdirs.WorkdirInUse, match=r"fields that differ: depth"):
+    with workdirs.claim_workdir(workdir, _config(depth=4)):
       pass
   assert os.path.exists(os.path.join(workdir, "results.json"))
-  with common.claim_workdir(workdir, _config(depth=4), overwrite=True):
+  with workdirs.claim_workdir(workdir, _config(depth=4), overwrite=True):
     pass
   left = sorted(os.path.relpath(os.path.join(folder, name), workdir)
                 for folder, _, names in os.walk(workdir) for name in names)
@@ -67,33 +67,33 @@ def test_overwrite_deletes_only_what_the_driver_wrote(tmp_path):
 def test_overwrite_of_the_same_config_starts_afresh(tmp_path):
   """One meaning of overwrite for every driver: nothing earlier is resumed."""
   workdir = str(tmp_path)
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     wd.write_json("partial_kappa0.json", {"done": 1})
-  with common.claim_workdir(workdir, _config(), overwrite=True) as wd:
+  with workdirs.claim_workdir(workdir, _config(), overwrite=True) as wd:
     assert wd.read_json("partial_kappa0.json") is None
 
 
 def test_outputs_without_a_config_are_refused(tmp_path):
-  with common.claim_workdir(str(tmp_path), _config()) as wd:
+  with workdirs.claim_workdir(str(tmp_path), _config()) as wd:
     wd.own("checkpoints", tree=True)
   os.remove(tmp_path / "config.json")
-  with pytest.raises(common.WorkdirInUse, match="no config.json"):
-    with common.claim_workdir(str(tmp_path), _config()):
+  with pytest.raises(workdirs.WorkdirInUse, match="no config.json"):
+    with workdirs.claim_workdir(str(tmp_path), _config()):
       pass
   # A folder of that name is nobody's until a driver records making it.
-  os.remove(tmp_path / common.MANIFEST)
-  with common.claim_workdir(str(tmp_path), _config()) as wd:
-    with pytest.raises(common.WorkdirInUse, match="checkpoints' is in the way: "
-                       "this driver did not make it"):
+  os.remove(tmp_path / workdirs.MANIFEST)
+  with workdirs.claim_workdir(str(tmp_path), _config()) as wd:
+    with pytest.raises(workdirs.WorkdirInUse, match="checkpoints' is in the "
+                       "way: this driver did not make it"):
       wd.own("checkpoints", tree=True)
 
 
 _HOLDER = """
 import sys
 import ml_collections
-from experiments import common
+from experiments import workdirs
 config = ml_collections.ConfigDict(dict(depth=3, lam=0.1))
-with common.claim_workdir(sys.argv[1], config):
+with workdirs.claim_workdir(sys.argv[1], config):
   print("held", flush=True)
   sys.stdin.read()
 """
@@ -108,17 +108,18 @@ def test_second_run_is_refused_while_the_first_holds_the_lock(tmp_path):
                            text=True)
   try:
     assert first.stdout.readline() == "held\n"
-    with pytest.raises(common.WorkdirInUse,
+    with pytest.raises(workdirs.WorkdirInUse,
                        match=f"in use by another run \\(pid {first.pid} on "
                        f"host {socket.gethostname()}"):
-      with common.claim_workdir(workdir, _config(depth=4), overwrite=True):
+      with workdirs.claim_workdir(workdir, _config(depth=4), overwrite=True):
         pass
-    assert common.read_json(os.path.join(workdir, "config.json"))["depth"] == 3
+    assert workdirs.read_json(os.path.join(workdir, "config.json"))[
+        "depth"] == 3
   finally:
     first.communicate("", timeout=60)
   assert first.returncode == 0
-  assert not os.path.exists(os.path.join(workdir, common.LOCK))
-  with common.claim_workdir(workdir, _config(depth=4), overwrite=True):
+  assert not os.path.exists(os.path.join(workdir, workdirs.LOCK))
+  with workdirs.claim_workdir(workdir, _config(depth=4), overwrite=True):
     pass
 
 
@@ -128,42 +129,42 @@ def test_a_lock_file_nobody_holds_is_free_and_one_process_claims_once(
   of a run that is gone (an older version's, naming a dead pid or another
   host) is free; a held one is refused, within one process too."""
   workdir = str(tmp_path)
-  lock = os.path.join(workdir, common.LOCK)
+  lock = os.path.join(workdir, workdirs.LOCK)
   _write(lock, json.dumps(dict(pid=2 ** 22 + 1, host="elsewhere")))
-  with common.claim_workdir(workdir, _config()):
+  with workdirs.claim_workdir(workdir, _config()):
     with open(lock, encoding="utf-8") as f:
       assert f.read().startswith(f"pid {os.getpid()} on host "
                                  f"{socket.gethostname()} since ")
-    with pytest.raises(common.WorkdirInUse, match=f"pid {os.getpid()}"):
-      with common.claim_workdir(workdir, _config()):
+    with pytest.raises(workdirs.WorkdirInUse, match=f"pid {os.getpid()}"):
+      with workdirs.claim_workdir(workdir, _config()):
         pass
   assert not os.path.exists(lock)
 
 
 def test_outputs_are_tied_to_their_config_and_content(tmp_path):
   workdir = str(tmp_path)
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     wd.write_json("partial.json", {"x": [1.0, float("nan")]})
     wd.write_npz("chunk.npz", {"rel_err": np.arange(4.0)})
     assert wd.read_json("partial.json") == {"x": [1.0, None]}
     np.testing.assert_array_equal(wd.read_npz("chunk.npz")["rel_err"],
                                   np.arange(4.0))
-  other = common.Workdir(workdir, _config(depth=4))
+  other = workdirs.Workdir(workdir, _config(depth=4))
   for read, name in ((other.read_json, "partial.json"),
                      (other.read_npz, "chunk.npz")):
-    with pytest.raises(common.CorruptOutput, match=f"{name}.*another config"):
+    with pytest.raises(workdirs.CorruptOutput, match=f"{name}.*another config"):
       read(name)
-  wd = common.Workdir(workdir, _config())
+  wd = workdirs.Workdir(workdir, _config())
   path = wd.path("partial.json")
   with open(path, encoding="utf-8") as f:
     stored = json.load(f)
   stored["x"][0] = 2.0
-  common.write_json(path, stored)
-  with pytest.raises(common.CorruptOutput, match="partial.json.*checksum"):
+  workdirs.write_json(path, stored)
+  with pytest.raises(workdirs.CorruptOutput, match="partial.json.*checksum"):
     wd.read_json("partial.json")
   # A file without the check (an older run, or hand-made) is not trusted.
   np.savez(wd.path("chunk.npz"), rel_err=np.arange(4.0))
-  with pytest.raises(common.CorruptOutput, match="chunk.npz.*no config hash"):
+  with pytest.raises(workdirs.CorruptOutput, match="chunk.npz.*no config hash"):
     wd.read_npz("chunk.npz")
 
 
@@ -173,9 +174,9 @@ def test_outputs_are_tied_to_their_config_and_content(tmp_path):
     ("config.json", None, "config.json' is damaged.*nothing says which "
      "config.*--overwrite"),
     ("config.json", "[1, 2]", "config.json' is damaged"),
-    (common.MANIFEST, None, "outputs.json', the record of what the driver "
+    (workdirs.MANIFEST, None, "outputs.json', the record of what the driver "
      "wrote.*damaged.*--overwrite"),
-    (common.MANIFEST, '["results.json", "../elsewhere"]', "is damaged"),
+    (workdirs.MANIFEST, '["results.json", "../elsewhere"]', "is damaged"),
 ])
 def test_damaged_json_names_the_file_and_the_way_out(tmp_path, name, damage,
                                                      message):
@@ -184,7 +185,7 @@ def test_damaged_json_names_the_file_and_the_way_out(tmp_path, name, damage,
   workdir = str(tmp_path / "run")
   elsewhere = tmp_path / "elsewhere"
   _write(str(elsewhere / "precious"))
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     wd.write_json("results.json", {"a": 1})
   path = os.path.join(workdir, name)
   if damage is None:
@@ -192,16 +193,16 @@ def test_damaged_json_names_the_file_and_the_way_out(tmp_path, name, damage,
       f.truncate(5)
   else:
     _write(path, damage)
-  with pytest.raises(common.CorruptOutput, match=message):
-    with common.claim_workdir(workdir, _config()) as wd:
+  with pytest.raises(workdirs.CorruptOutput, match=message):
+    with workdirs.claim_workdir(workdir, _config()) as wd:
       wd.read_json("results.json")
-  with common.claim_workdir(workdir, _config(), overwrite=True) as wd:
+  with workdirs.claim_workdir(workdir, _config(), overwrite=True) as wd:
     assert wd.read_json("results.json") is None
     wd.write_json("results.json", {"a": 2})
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     assert wd.read_json("results.json") == {"a": 2}
   assert os.path.exists(elsewhere / "precious")
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     with pytest.raises(ValueError, match="not a path inside the workdir"):
       wd.write_json("../elsewhere/x.json", {})
 
@@ -210,7 +211,7 @@ def test_claim_removes_leftover_temporary_files(tmp_path):
   """Only in the folders drivers write: the workdir, figures/ and the
   folders of the manifest's names."""
   workdir = str(tmp_path)
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     wd.write_json("partials/a.json", {})
   leftovers = [".tmp-k2j4x9a_results.json", "figures/.tmp-0abc9xyzheat.png",
                "partials/.tmp-abcdefghb.json"]
@@ -218,7 +219,7 @@ def test_claim_removes_leftover_temporary_files(tmp_path):
   kept = [".tmp-notes.txt", "mine/.tmp-0abc9xyzheat.png"]
   for name in leftovers + kept:
     _write(os.path.join(workdir, name))
-  with common.claim_workdir(workdir, _config()):
+  with workdirs.claim_workdir(workdir, _config()):
     pass
   for name in leftovers:
     assert not os.path.exists(os.path.join(workdir, name))
@@ -230,79 +231,35 @@ def test_numbers_are_compared_and_hashed_by_value(tmp_path):
   """``lams=(0, 0.1)`` and ``(0.0, 0.1)`` are one config: a run of one
   resumes the other's files (they were refused as "another config")."""
   as_int, as_float = _config(lams=(0, 0.1)), _config(lams=(0.0, 0.1))
-  assert common.config_hash(as_int) == common.config_hash(as_float)
-  assert common.config_hash(_config(flag=True)) != common.config_hash(
+  assert checks.config_hash(as_int) == checks.config_hash(as_float)
+  assert checks.config_hash(_config(flag=True)) != checks.config_hash(
       _config(flag=1))
-  assert common.config_hash(as_int) != common.config_hash(_config(lams=(0,
+  assert checks.config_hash(as_int) != checks.config_hash(_config(lams=(0,
                                                                        0.2)))
-  with common.claim_workdir(str(tmp_path), as_int) as wd:
+  with workdirs.claim_workdir(str(tmp_path), as_int) as wd:
     wd.write_npz("chunk.npz", {"a": np.arange(3.0)})
-  with common.claim_workdir(str(tmp_path), as_float) as wd:
+  with workdirs.claim_workdir(str(tmp_path), as_float) as wd:
     np.testing.assert_array_equal(wd.read_npz("chunk.npz")["a"],
                                   np.arange(3.0))
 
 
 def test_a_nan_in_a_config_is_the_same_config_on_rerun(tmp_path):
   nan = _config(tol=float("nan"), grid=(1.0, float("inf")))
-  assert common.config_hash(nan) == common.config_hash(
+  assert checks.config_hash(nan) == checks.config_hash(
       _config(tol=float("nan"), grid=[1.0, float("inf")]))
-  assert common.config_dict(nan)["tol"] == "nan"
-  with common.claim_workdir(str(tmp_path), nan) as wd:
+  assert checks.config_dict(nan)["tol"] == "nan"
+  with workdirs.claim_workdir(str(tmp_path), nan) as wd:
     wd.write_json("results.json", {"a": 1})
-  with common.claim_workdir(str(tmp_path), _config(tol=float("nan"),
-                                                   grid=(1.0, float("inf")))
+  with workdirs.claim_workdir(str(tmp_path), _config(tol=float("nan"),
+                                                     grid=(1.0, float("inf")))
                             ) as wd:
     assert wd.read_json("results.json") == {"a": 1}
 
 
-def test_config_checks_name_the_field_and_the_range():
-  config = _config(steps=0, tol=float("nan"), lams=(), etas=(0.1, -1.0),
-                   flag=True, mode="x", grid=(0.1, 0.2, 0.1), big=2 ** 63)
-  cases = [
-      (lambda: common.check_int(config, "steps"),
-       r"^config\.steps must be an int >= 1, got 0\.$"),
-      (lambda: common.check_int(config, "flag"), "an int >= 1, got True"),
-      (lambda: common.check_float(config, "tol", low=0, high=1,
-                                  low_open=True),
-       r"config\.tol must be a finite number in \(0, 1\], got nan"),
-      (lambda: common.check_items(config, "lams"),
-       r"config\.lams must be a non-empty tuple, got \(\)"),
-      (lambda: common.check_items(config, "etas", low=0, low_open=True),
-       r"config\.etas\[1\] must be a finite number > 0, got -1\.0"),
-      (lambda: common.check_choice(config, "mode", ("a", "b")),
-       r"config\.mode must be one of \['a', 'b'\], got 'x'"),
-      (lambda: common.check_fits(1e18, fields="d and n_train"),
-       r"config: d and n_train need about .* GiB"),
-      (lambda: common.check_items(config, "grid", low=0),
-       r"config\.grid\[2\] repeats config\.grid\[0\] \(0\.1\); list each "
-       "value once"),
-      (lambda: common.check_seed(config, "big"),
-       r"config\.big must be an int in \[0, 9223372036854775807\], got "
-       r"9223372036854775808\."),
-  ]
-  for check, message in cases:
-    with pytest.raises(common.ConfigError, match=message):
-      check()
-  assert issubclass(common.ConfigError, ValueError)
-  assert common.check_int(config, "depth") == 3
-
-
-def test_relative_error_numpy_and_jax():
-  # b = 0 with a = b: 0, not NaN (the tiny floor).
-  a, b = np.array([[0.0, 0.0], [1.0, 0.0]]), np.array([[0.0, 0.0], [2.0, 0.0]])
-  got = common.relative_error(a, b)
-  assert isinstance(got, np.ndarray) and got.dtype == np.float64
-  np.testing.assert_array_equal(got, [0.0, 0.5])
-  got = common.relative_error(jnp.asarray(a, jnp.float32),
-                              jnp.asarray(b, jnp.float32))
-  assert got.dtype == jnp.float32
-  np.testing.assert_allclose(got[1], 0.5)
-
-
 def test_json_is_strict_and_files_are_not_private(tmp_path):
   path = str(tmp_path / "r.json")
-  common.write_json(path, {"a": float("nan"), "b": [1.0, float("inf")],
-                           "c": np.float32("nan"), "d": np.float32(0.5)})
+  workdirs.write_json(path, {"a": float("nan"), "b": [1.0, float("inf")],
+                             "c": np.float32("nan"), "d": np.float32(0.5)})
   with open(path, encoding="utf-8") as f:
     assert json.loads(f.read(), parse_constant=pytest.fail) == {
         "a": None, "b": [1.0, None], "c": None, "d": 0.5}
@@ -322,7 +279,7 @@ def _figure():
 def _manifest(workdir, names):
   """A manifest as the driver writes it (with its checksum), recording
   ``names`` as files."""
-  common._write_manifest(workdir, {"files": set(names), "trees": set()})  # pylint: disable=protected-access
+  workdirs._write_manifest(workdir, {"files": set(names), "trees": set()})  # pylint: disable=protected-access
 
 
 def test_overwrite_never_follows_a_symlink_out_of_the_workdir(tmp_path):
@@ -335,7 +292,7 @@ def test_overwrite_never_follows_a_symlink_out_of_the_workdir(tmp_path):
              elsewhere / "a" / ".tmp-abcdefghg.txt", elsewhere / "precious"]
   for path in outside:
     _write(str(path))
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     wd.write_json("results.json", {})
     wd.write_json("notes/a.json", {})
   os.symlink(elsewhere, os.path.join(workdir, "link_out"))
@@ -346,13 +303,13 @@ def test_overwrite_never_follows_a_symlink_out_of_the_workdir(tmp_path):
   # Names the driver recorded, each now behind a link.
   _manifest(workdir, ["results.json", "notes/a.json", "link_out/f.txt",
                       "link_out/a/g.txt"])
-  with common.claim_workdir(workdir, _config(), overwrite=True):
+  with workdirs.claim_workdir(workdir, _config(), overwrite=True):
     pass
   _manifest(workdir, ["link_out/../x"])
-  with pytest.raises(common.CorruptOutput, match="outputs.json'.*damaged"):
-    with common.claim_workdir(workdir, _config()):
+  with pytest.raises(workdirs.CorruptOutput, match="outputs.json'.*damaged"):
+    with workdirs.claim_workdir(workdir, _config()):
       pass
-  with common.claim_workdir(workdir, _config(), overwrite=True):
+  with workdirs.claim_workdir(workdir, _config(), overwrite=True):
     pass
   for path in outside:
     assert path.exists(), path
@@ -366,8 +323,8 @@ def test_the_driver_never_writes_through_a_symlink(tmp_path):
   os.makedirs(elsewhere)
   os.makedirs(workdir)
   os.symlink(elsewhere, os.path.join(workdir, "figures"))
-  with common.claim_workdir(workdir, _config()) as wd:
-    with pytest.raises(common.WorkdirInUse, match="figures.*symlink"):
+  with workdirs.claim_workdir(workdir, _config()) as wd:
+    with pytest.raises(workdirs.WorkdirInUse, match="figures.*symlink"):
       wd.write_json("figures/a.json", {})
   assert not os.listdir(elsewhere)
 
@@ -415,8 +372,8 @@ def test_overwrite_keeps_user_files_that_look_like_a_drivers(
   """Ownership is by record: files and folders the driver never wrote stay,
   whatever their names."""
   run, config, mine = _driver_runs()[driver]
-  monkeypatch.setattr(common, "claim_workdir",
-                      _claimed_then_stopped(common.claim_workdir))
+  monkeypatch.setattr(workdirs, "claim_workdir",
+                      _claimed_then_stopped(workdirs.claim_workdir))
   workdir = str(tmp_path / "run")
   with pytest.raises(_Stop):
     run(config, workdir)
@@ -440,7 +397,7 @@ def test_a_lock_is_free_once_its_process_is_gone(tmp_path):
   holder.wait(timeout=60)
   leftover = os.path.join(workdir, ".tmp-k2j4x9a_.elsa-lock")
   _write(leftover, "{}")
-  with common.claim_workdir(workdir, _config()):
+  with workdirs.claim_workdir(workdir, _config()):
     pass
   assert not os.path.exists(leftover)
 
@@ -468,28 +425,10 @@ def test_an_unusable_workdir_is_reported_in_one_line(tmp_path):
       (str(a_file), "a_file' is not a folder"),
       (str(a_file / "run"), "a_file/run' cannot be created"),
       (_unwritable_folder(tmp_path), "cannot be written")):
-    with pytest.raises(common.UnusableWorkdir, match=message) as err:
-      with common.claim_workdir(workdir, _config()):
+    with pytest.raises(workdirs.UnusableWorkdir, match=message) as err:
+      with workdirs.claim_workdir(workdir, _config()):
         pass
     assert "\n" not in str(err.value) and "--workdir" in str(err.value)
-
-
-@pytest.mark.parametrize("flag, named, listed", [
-    ("--config.bogus_field=1", "bogus_field", "kappas"),  # the fields there are
-    ("--config=experiments/configs/newton.py:nosuchvariant", "'nosuchvariant'",
-     "known: 'tiny' (or none for the default)")])
-def test_an_unknown_config_field_is_reported_in_one_line(tmp_path, flag,
-                                                         named, listed):
-  """An unknown field, or an unknown variant of the config file."""
-  proc = subprocess.run(
-      [sys.executable, "-m", "experiments.newton", flag,
-       f"--workdir={tmp_path / 'run'}"], cwd=REPO, capture_output=True,
-      text=True, timeout=120, check=False)
-  assert proc.returncode != 0
-  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-  (line,) = [l for l in proc.stderr.splitlines() if named in l]
-  assert listed in line
-  assert not os.path.exists(tmp_path / "run")
 
 
 @pytest.mark.parametrize("tamper", ["edited", "symlink", "older_list"])
@@ -501,7 +440,7 @@ def test_overwrite_never_deletes_what_a_tampered_manifest_names(tmp_path,
   name; the way out it gives (--overwrite) deletes only config.json and
   results.json, and the next plain run resumes."""
   workdir = str(tmp_path / "run")
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     wd.write_json("results.json", {"a": 1})
     wd.write_json("partial.json", {"b": 1})
   mine = [os.path.join(workdir, "notes.txt"),
@@ -509,35 +448,35 @@ def test_overwrite_never_deletes_what_a_tampered_manifest_names(tmp_path,
   for path in mine:
     _write(path)
   names = {"files": ["notes.txt", "partial.json"], "trees": ["data"]}
-  path = os.path.join(workdir, common.MANIFEST)
+  path = os.path.join(workdir, workdirs.MANIFEST)
   if tamper == "edited":
     with open(path, encoding="utf-8") as f:
       stored = json.load(f)
-    common.write_json(path, {**names, "_check": stored["_check"]})
+    workdirs.write_json(path, {**names, "_check": stored["_check"]})
     why = "fails its checksum"
   elif tamper == "symlink":
     target = tmp_path / "list.json"
-    common._write_manifest(  # pylint: disable=protected-access
+    workdirs._write_manifest(  # pylint: disable=protected-access
         str(tmp_path), {k: set(v) for k, v in names.items()})
-    os.replace(tmp_path / common.MANIFEST, target)
+    os.replace(tmp_path / workdirs.MANIFEST, target)
     os.remove(path)
     os.symlink(target, path)
     why = "is a symlink"
   else:
-    common.write_json(path, names["files"])
+    workdirs.write_json(path, names["files"])
     why = "fails its checksum"
-  with pytest.raises(common.CorruptOutput, match=(
+  with pytest.raises(workdirs.CorruptOutput, match=(
       f"outputs.json', the record .* is damaged: it {why}.*Rerun with "
       "--overwrite")):
-    with common.claim_workdir(workdir, _config()):
+    with workdirs.claim_workdir(workdir, _config()):
       pass
-  with common.claim_workdir(workdir, _config(), overwrite=True) as wd:
+  with workdirs.claim_workdir(workdir, _config(), overwrite=True) as wd:
     assert wd.read_json("results.json") is None
   for kept in [*mine, os.path.join(workdir, "partial.json")]:
     assert os.path.exists(kept), kept
   if tamper == "symlink":
     assert os.path.exists(target) and not os.path.lexists(path)
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     wd.write_json("results.json", {"a": 2})
-  with common.claim_workdir(workdir, _config()) as wd:
+  with workdirs.claim_workdir(workdir, _config()) as wd:
     assert wd.read_json("results.json") == {"a": 2}
