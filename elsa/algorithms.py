@@ -26,8 +26,8 @@ Convergence with ``kappa = mu_max / mu_min`` of ``A`` (iterations to a
 relative error ``eps``): GD ``O(kappa log 1/eps)``; heavy-ball, Nesterov and
 Chebyshev ``O(sqrt(kappa) log 1/eps)``; Newton–Schulz ``O(log kappa + log log
 1/eps)`` (each layer squares the residual); the third-order hyperpower
-iteration cubes it. BUILD_NOTES.md, "The algorithm library", has the measured
-layer counts (``python -m experiments.algorithms``).
+iteration cubes it. docs/guides/algorithms.md, "The race to the ridge
+solution", has the measured layer counts (``python -m experiments.algorithms``).
 """
 
 from __future__ import annotations
@@ -218,9 +218,9 @@ def newton_schulz(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1
   ``A`` and ``M`` symmetric (``M`` is a polynomial in ``A``), so ``M A M``
   reads as ``M A^T M``. ``I - A M_t = (I - \alpha A)^{2^t}``: layer ``t``
   holds GD step ``2^t``, the residual squares each layer. ``w`` is iterative
-  refinement (BUILD_NOTES.md): rounding in ``w`` corrects itself. Scalars:
-  ``lam``, ``alpha`` (``0 < alpha < 2 / mu_max``). The same program as
-  :class:`elsa.forms.Newton`.
+  refinement (docs/guides/newton.md): rounding in ``w`` corrects itself.
+  Scalars: ``lam``, ``alpha`` (``0 < alpha < 2 / mu_max``). The same program
+  as :class:`elsa.forms.Newton`.
   """
   prog = programs.Program()
   X, y, Xq = _natural_tokens(prog, n_train=n_train, d=d, n_query=n_query,
@@ -281,8 +281,8 @@ def third_order(*, n_train: int, d: int, n_query: int = 1, n_out: int = 1,
   * ``w_update="residual"``: ``w' = w + M s + M R s``, ``s' = R^2 s`` from
     ``w_0 = 0``, ``s_0 = b``: ``s = b - A w`` in exact arithmetic, so ``w_t``
     holds GD step ``3^t - 1``, and ``A`` is never stored; but ``s`` follows
-    the rounded ``R``, and ``w`` stalls where ``R`` has drifted (BUILD_NOTES,
-    "The algorithm library": a floor of ``~1e-8`` at ``kappa = 1e6`` in
+    the rounded ``R``, and ``w`` stalls where ``R`` has drifted
+    (docs/guides/algorithms.md: a floor of ``~1e-8`` at ``kappa = 1e6`` in
     float64).
 
   Scalars: ``lam``, ``alpha`` (``0 < alpha < 2 / mu_max``).

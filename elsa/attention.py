@@ -295,13 +295,13 @@ def lsa(p: ElsaParams, h: Array, *, key_mask=None, precision=None
 # Stacks of at most this many layers are unrolled (elsa_stack and
 # elsa.nn.residual_stack): XLA:CPU runs the rolled loop of a training step,
 # which writes each layer's saved values into the loop's stacked buffers and
-# reads them back, slower (BUILD_NOTES, "Speed"); deeper stacks stay rolled,
-# so compile time stays flat in L.
+# reads them back, slower (docs/guides/speed.md, "The training step");
+# deeper stacks stay rolled, so compile time stays flat in L.
 UNROLLED_DEPTH = 4
 
 # Per-item K^T V at most this many multiply-adds (m k v) keeps tokens before
 # components and is contracted per item (_small_token_contraction); above it,
-# one dot per component (BUILD_NOTES, "The sweep kernel").
+# one dot per component (docs/guides/speed.md, "The sweep kernel").
 _SMALL_CONTRACTION = 2 ** 15
 
 
@@ -314,8 +314,9 @@ def _small_token_contraction(keys: Array, values: Array, precision,
   ``"multiply_sum"`` (elementwise products summed over tokens, in the dtype of
   the inputs). ``None`` is the dot, in every dtype: XLA:CPU runs it faster
   than the multiply-and-sum in float64, as fast forward in float32, and its
-  gradient faster (BUILD_NOTES, "Speed"); for float32-exact products on TPU
-  and GPU pass ``precision="highest"``, as for every matmul here.
+  gradient faster (docs/guides/speed.md, "The sweep kernel"); for
+  float32-exact products on TPU and GPU pass ``precision="highest"``, as for
+  every matmul here.
   """
   if layout is None or layout == "dot":
     return jnp.einsum("...mck,...mcv->...ckv", keys, values,

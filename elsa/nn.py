@@ -302,8 +302,9 @@ def residual_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
       adding or multiplying zeros.
     reverse_only: if true, the two per-item products carry their own
       reverse-mode gradient (:func:`_item_matmul`), which XLA:CPU runs in its
-      fast library: the training step's choice (BUILD_NOTES, "Speed"). Forward
-      mode (``jax.jvp``, ``jacfwd``, ``jax.hessian``) then does not apply;
+      fast library: the training step's choice (docs/guides/speed.md, "The
+      training step"). Forward mode (``jax.jvp``, ``jacfwd``,
+      ``jax.hessian``) then does not apply;
       with the default every transformation does.
 
   Returns:
@@ -356,7 +357,7 @@ def _residual_update(weights, biases, h: Array, key_mask, precision,
   (:func:`_item_matmul`): ``S = K^T V``
   from the keys transposed once, ``[..., C, k, m]``, and the sum over
   components and inner columns as one contraction over ``C k``,
-  ``[m, C k] @ [C k, v]`` (BUILD_NOTES, "Speed").
+  ``[m, C k] @ [C k, v]`` (docs/guides/speed.md, "The training step").
   """
   ein = functools.partial(jnp.einsum, precision=precision)
   def project(w, b):
@@ -388,10 +389,11 @@ def _item_matmul(a: Array, b: Array, precision) -> Array:
   (:func:`_materialised`): XLA:CPU runs small batched dots of the forms
   ``A B`` and ``A B^T`` in its fast library and the form ``A^T B``
   (contracting the rows of both, what the transpose of ``a @ b`` gives) outside
-  it, at about half the rate on ``[2048, 11, 11]`` items (BUILD_NOTES,
-  "Speed"). Reverse mode and ``vmap`` apply; forward mode (``jax.jvp``) does
-  not (a ``custom_vjp``; a ``custom_jvp`` with the same products was
-  transposed back to the slow form).
+  it, at about half the rate on ``[2048, 11, 11]`` items
+  (docs/guides/speed.md, "The training step"). Reverse mode and ``vmap``
+  apply; forward mode (``jax.jvp``) does not (a ``custom_vjp``; a
+  ``custom_jvp`` with the same products was transposed back to the slow
+  form).
   """
   return jnp.matmul(a, b, precision=precision)
 

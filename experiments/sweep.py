@@ -121,7 +121,7 @@ def measure_task(form, x: Array, y: Array, x_query: Array, lam: Array,
   gradient head computes only the columns it reads and writes. The layers run
   in one ``lax.scan`` that decodes ``w`` from each state as it is made: the
   same states as ``elsa_stack(..., return_all=True)``, without writing all
-  ``L + 1`` of them out (BUILD_NOTES, "The sweep kernel").
+  ``L + 1`` of them out (docs/guides/speed.md, "The sweep kernel").
   """
   with jax.ensure_compile_time_eval():  # a constant: prune reads its zeros
     stack = elsa.prune(form.gd_basis(depth=depth, dtype=x.dtype))

@@ -7,8 +7,8 @@ read with ``compiled.read``) equals :func:`elsa.programs.run` at every layer
 and every block; its ``w`` equals an independent plain-numpy implementation
 of the algorithm's textbook iteration at every iterate; the read-out is
 ``p = Xq @ w``. Run long enough, ``w`` is :func:`elsa.ridge.solve`. Float64
-to 1e-10 relative; float32 to the bound measured in BUILD_NOTES.md ("The
-algorithm library"). Then the step-size helpers against their textbook
+to 1e-10 relative; float32 to the bound measured in
+docs/guides/algorithms.md. Then the step-size helpers against their textbook
 formulas, and the refusals the module doc promises.
 """
 
@@ -28,8 +28,8 @@ from helpers import rel_norm as rel
 F64_RTOL = 1e-10
 # The float32 stack (float32 data) against the float64 textbook iterate of
 # the float64 data, N = 12, d = 4, lam = 0.3: worst over every algorithm,
-# iterate and seeds 7-9 measured 4.1e-7 (heavy ball; BUILD_NOTES.md, "The
-# algorithm library"); the bound leaves a factor 5.
+# iterate and seeds 7-9 measured 4.1e-7 (heavy ball; docs/guides/algorithms.md);
+# the bound leaves a factor 5.
 F32_RTOL = 2e-6
 LAM = 0.3
 

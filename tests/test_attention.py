@@ -11,8 +11,8 @@ from elsa import ElsaParams, _validate
 from helpers import rel_err
 
 # float32 bound: the worst relative error (max abs error / max abs value)
-# measured over SHAPES with 20 seeds each was 3.0e-7 (BUILD_NOTES.md, "The
-# primitive"); asserted with a margin.
+# measured over SHAPES with 20 seeds each was 3.0e-7
+# (docs/guides/primitive.md); asserted with a margin.
 F32_RTOL = 5e-6
 F64_RTOL = 1e-12
 

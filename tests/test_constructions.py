@@ -3,7 +3,7 @@
 Every construction is checked on fresh random inputs of several shapes:
 float64 to 1e-12 relative (max-abs error over max-abs reference), float32 to
 the bound F32_TOL measured by ``python tests/test_constructions.py`` (see
-BUILD_NOTES.md, "What one component expresses"), and products are checked to be EXACTLY zero
+docs/guides/constructions.md), and products are checked to be EXACTLY zero
 outside the block they name. The LSA contrast shows the bias-free baseline
 cannot fit the identity map on pairs {h, 2h}.
 """

@@ -35,7 +35,7 @@ def _assert_ok(finished):
 
 def _sweep_records_close(got: dict, want: dict) -> None:
   """The same records; errors to float32 rounding (the sweep's documented
-  float32 bound, BUILD_NOTES "The sweep": 1e-5 relative to GD)."""
+  float32 bound, docs/guides/sweep.md: 1e-5 relative to GD)."""
   assert len(got["records"]) == len(want["records"])
   for a, b in zip(got["records"], want["records"]):
     exact = lambda r: {k: v for k, v in r.items()

@@ -25,7 +25,7 @@ FORMS = [forms.Designed, forms.Natural]
 F64_RTOL = 1e-10
 # float32 bound at depth 200, eta = 0.9 * stability limit: the worst relative
 # error measured over these SHAPES, lam in {0, 0.3}, 3 seeds, both forms, was
-# 7.0e-6, as accurate as float32 GD itself (BUILD_NOTES.md, "Input forms");
+# 7.0e-6, as accurate as float32 GD itself (docs/guides/forms.md);
 # asserted with a margin.
 F32_RTOL = 1e-4
 

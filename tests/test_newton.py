@@ -16,8 +16,7 @@ from helpers import rel_norm as rel
 
 # float32 floor after convergence, against the float64 ridge solution: the
 # measured relative error of w and of the predictions was 0.37, 0.06 and 0.50
-# times kappa * eps_f32 for kappa = 10, 1e2, 1e3 (BUILD_NOTES.md, "Numerical
-# limits"),
+# times kappa * eps_f32 for kappa = 10, 1e2, 1e3 (docs/guides/newton.md),
 # the conditioning of the task itself; asserted as < 10 kappa eps_f32.
 F32_EPS = float(np.finfo(np.float32).eps)
 F64_RTOL = 1e-10

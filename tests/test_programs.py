@@ -368,7 +368,7 @@ def test_random_programs_cover_every_kind_of_component():
 # --- float32 ---------------------------------------------------------------------
 
 # Measured worst relative error of any block at any layer against the float64
-# interpreter, three draws (BUILD_NOTES.md, "Matrix programs"): DESIGN example,
+# interpreter, three draws (docs/guides/programs.md, "Tests"): DESIGN example,
 # 20 loops, 2.5e-6; Newton-Schulz, 10 loops, 4e-7; ridge_gd_natural, 20
 # loops, 6.2e-7; newton_schulz_natural, 10 loops, 3.8e-7. Asserted with
 # headroom.
@@ -814,7 +814,8 @@ def test_a_split_loop_runs_its_layers_per_iteration_with_that_iteration_scalars(
     assert rel(ref["S"][2 * t + 2], s) < F64_RTOL
 
 
-# Sizes of programs that need no rewrite (BUILD_NOTES.md, "Matrix programs"):
+# Sizes of programs that need no rewrite (docs/guides/programs.md, "Size
+# against the forms' layouts"):
 # N = 20, d = 5, Q = 3; before compact layouts 28 x 14 (3) and 28 x 23 (w, r
 # and the read-out p now share a column, and w and p in Newton-Schulz; the
 # coefficient merge makes ridge_gd's loop one product).

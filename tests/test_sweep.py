@@ -1,6 +1,6 @@
 """End-to-end tests of experiments/sweep.py on the tiny config.
 
-Bounds (measured on this machine, tiny config, see BUILD_NOTES.md "The sweep"):
+Bounds (measured on this machine, tiny config, see docs/guides/sweep.md):
 float32 max_rel_err 1.5e-7 -> bound 2e-6; float64 ~1e-16 -> bound 1e-10.
 """
 

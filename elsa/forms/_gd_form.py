@@ -26,8 +26,8 @@ The forms are built on the compiler: :attr:`GDForm.program` writes this step
 as a matrix program with ``w``, the example predictions ``Xw`` and the query
 predictions ``p`` as states, :func:`elsa.programs.compile` lays them out in
 one column (they decay alike) and emits the components, and the form reads
-the compiled stack in its own column order. BUILD_NOTES.md ("Input forms")
-derives the components the compiler emits.
+the compiled stack in its own column order. docs/guides/forms.md derives the
+components the compiler emits.
 """
 
 from __future__ import annotations

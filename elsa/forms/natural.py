@@ -56,7 +56,7 @@ class Natural(GDForm):
       y: ``[..., N]`` (``n_out == 1``) or ``[..., N, n_out]``.
       x_query: ``[..., Q, d]``; may be ``None`` when ``Q == 0``.
       w0: must be ``None``: this form starts from ``w0 = 0``. For another
-        start use :class:`~elsa.forms.Designed` (BUILD_NOTES.md, "Input forms").
+        start use :class:`~elsa.forms.Designed` (docs/guides/forms.md).
 
     Raises:
       ValueError: a shape does not match, or ``w0`` is given.

@@ -34,8 +34,8 @@ M-row j    (d)     0            0         0 -> A_j  0 -> (M_t)_j      0 -> (w_t)
 The encoded tokens are the natural ones: ``(x_i, y_i)`` and ``(x_q, 0)`` in
 the same columns, in arrival order, everything else zero. The form is the
 compiled :attr:`Newton.program`; its two set-up layers and the Newton layer
-are derived term by term in BUILD_NOTES.md ("Newton–Schulz from natural
-tokens") and in the building blocks below.
+are derived term by term in docs/guides/newton.md and in the building blocks
+below.
 
 Reference: Hagiwara, "An extension of linear self-attention for in-context
 learning", arXiv:2503.23814 (2025).
@@ -262,7 +262,8 @@ class Newton(TokenForm):
     w_{t+1}``. The w update is iterative refinement with the approximate
     inverse ``M_t``: an error ``e`` in ``w_t`` becomes ``(I - M_t A) e``, so
     rounding in ``w`` is self-correcting, and the error of ``M_t`` itself
-    enters only through the small residual ``b - A w_t`` (BUILD_NOTES.md).
+    enters only through the small residual ``b - A w_t``
+    (docs/guides/newton.md).
 
     ``dtype``: of every leaf; default JAX's default float (float32, or
     float64 under ``jax_enable_x64``).

@@ -25,8 +25,7 @@ which terms one component computes), :mod:`~elsa.programs.interpreter`
 products: hoisting, transposed inputs, split layers),
 :mod:`~elsa.programs.layout` (the layout solver),
 :mod:`~elsa.programs.codegen` (components), :mod:`~elsa.programs.compiler`
-(``compile``, ``Compiled``). BUILD_NOTES.md, "Matrix programs", derives the
-rules.
+(``compile``, ``Compiled``). docs/guides/programs.md derives the rules.
 """
 
 from elsa.programs.compiler import Compiled, Schedule, compile, schedule  # pylint: disable=redefined-builtin

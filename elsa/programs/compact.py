@@ -50,8 +50,8 @@ _TOL = 1e-9
 # one exceeds the current width, and checked); past it the best layout found
 # so far is taken. Without a bound the greedy search with its one-share
 # look-ahead is quartic in the number of column classes: small programs of
-# many one-column blocks took minutes. BUILD_NOTES, "Compile time", gives the
-# measured times.
+# many one-column blocks took minutes. docs/guides/programs.md, "Bounded
+# compile time", gives the measured times.
 SHARE_BUDGET = 64
 
 

@@ -20,7 +20,7 @@ product of factors (blocks, their transposes, constants). Products are
 flattened, so parentheses do not matter: ``X @ (X.T @ r)`` is the term
 ``X X^T r``. :func:`classify` decides which product one ELSA component
 computes (the eight-term expansion of :math:`(hW_3 + B_3)(hW_1 + B_1)^\top
-(hW_2 + B_2)`, BUILD_NOTES.md "Matrix programs"); :func:`plan_term` finds,
+(hW_2 + B_2)`, docs/guides/programs.md); :func:`plan_term` finds,
 for any other product of blocks, the cheapest helper blocks (partial
 products kept as blocks) that make it one component, and refuses what no
 product of blocks computes with a message that names the statement and the
@@ -374,7 +374,8 @@ def _check_symmetric_value(name: str, expr: Expr, where: str) -> None:
 
 # --- what one component computes -----------------------------------------------
 
-# The kinds of term, each one term of the eight-term expansion (BUILD_NOTES.md):
+# The kinds of term, each one term of the eight-term expansion
+# (docs/guides/programs.md, "Which products one component computes"):
 #   constant   P                   B3 B1^T B2
 #   copy       P @ A @ Q           B3 B1^T (h W2)          (A anywhere)
 #   transpose  P @ A.T @ Q         B3 (h W1)^T B2

@@ -1,7 +1,7 @@
 """The layout solver: every block of a program placed on token rows and feature columns.
 
-The rules follow from what each kind of term needs (BUILD_NOTES.md, "Matrix
-programs"):
+The rules follow from what each kind of term needs (docs/guides/programs.md,
+"Layout rules"):
 
 * **Tokens.** ``B.T @ C`` (``gram``, ``product3``) sums over tokens, so ``B``
   and ``C`` sit on the same rows, in the same order. ``A @ ...``

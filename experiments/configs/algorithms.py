@@ -44,7 +44,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # count is null ("beyond the budget").
   config.layer_budget = 5000
   # The same for the float32 run, whose first-order errors stall above
-  # tol_float32 from kappa = 1e3 on (BUILD_NOTES.md).
+  # tol_float32 from kappa = 1e3 on (docs/guides/algorithms.md).
   config.layer_budget_float32 = 2000
   # Loops of Newton-Schulz and the third-order iteration.
   config.depth = 40

@@ -5,7 +5,7 @@ driver's config; its workdir is ``config.train_workdir``, default
 ``<workdir>/train``, trained first if it holds no results): every family of
 ``elsa.decompile.FAMILIES`` is fitted to every model at every depth and ranked
 on held-out tasks. The defaults are the settings of the figures in
-BUILD_NOTES.md, "Decompiling trained stacks".
+docs/guides/decompile.md.
 
 Variants (``--config=experiments/configs/decompile.py:NAME``):
 

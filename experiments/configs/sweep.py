@@ -7,7 +7,7 @@ grid with one diverged eta, 3 tasks, depth 6: what the tests and the notebook
 run). Override any field from the command line, e.g.
 ``--config.depth=100 --config.lams='(0.0, 0.5)' --config.dtype=float64``
 (float64 turns on ``jax_enable_x64`` for the run and restores it after).
-Runs in well under a minute on 2 CPU cores (see BUILD_NOTES.md, "The sweep").
+Runs in well under a minute on 2 CPU cores (see docs/guides/sweep.md).
 """
 
 import ml_collections

@@ -5,7 +5,7 @@ on ridge regression from the natural tokens, each tuned on validation tasks
 over one shared (learning rate x init scale) grid, against the Bayes-optimal
 predictor, GD at its validation-chosen step size, the constructed ELSA-GD
 stack, ridge and least squares, in distribution and under shifts. A few
-minutes on 2 CPU cores (see BUILD_NOTES.md, "Training").
+minutes on 2 CPU cores (see docs/guides/training.md).
 
 Variants (``--config=experiments/configs/train.py:NAME``):
 
@@ -18,8 +18,8 @@ Variants (``--config=experiments/configs/train.py:NAME``):
   steps at 1e-3, weights tied across layers), LSA with the residual only,
   depths 1, 2, 3. Their loss is
   0.5 x MSE; results.json holds MSE (halve it to compare).
-* ``tasks``: every family of ``elsa.tasks`` (BUILD_NOTES.md, "General
-  tasks"), one run per family in ``WORKDIR/<run>`` (``config.task_runs``),
+* ``tasks``: every family of ``elsa.tasks`` (docs/guides/tasks.md), one run
+  per family in ``WORKDIR/<run>`` (``config.task_runs``),
   d = 4, N = 8, 500 steps x batch 64 at one grid point: ``nonzero_mean``,
   ``mixed_noise`` and ``anisotropic`` (kappa 10 and 100) with every model,
   the field's set (Garg et al.) with ELSA and the masked LSA + residual.
