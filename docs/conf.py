@@ -26,7 +26,9 @@ copyright = "2025, The elsa developers"  # pylint: disable=redefined-builtin
 version = release = elsa.__version__
 
 # Where the repository is published: the "Open in Colab" badges of the notebook
-# pages and the theme's repository button point here. Set it once, here.
+# pages and the theme's repository button point here. setup.py, pyproject.toml,
+# CITATION.cff and the README name no repository yet, so this owner/name is a
+# placeholder: when the repository is published, set it here, the one place.
 GITHUB_REPOSITORY = "elsa-attention/elsa"
 GITHUB_BRANCH = "main"
 
