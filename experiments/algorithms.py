@@ -61,9 +61,9 @@ from experiments import checks
 from experiments import cli
 from experiments import distributed
 from experiments import metrics
+from experiments import newton
 from experiments import plotting
 from experiments import workdirs
-from experiments.newton import per_kappa, spectrum_tasks
 
 # Runs to the layer budget; the others run config.depth loops.
 FIRST_ORDER = ("gd", "heavy_ball", "nesterov", "chebyshev")
@@ -295,10 +295,9 @@ def _measure(name: str, dtype: str, config, data: dict, runner: dict) -> dict:
 
 def _kappa_data(config, kappa: float, rng: np.random.Generator) -> dict:
   """One kappa's tasks, solution and best steps (float64 numpy)."""
-  x, y, xq = spectrum_tasks(rng, kappa=kappa, count=config.tasks_per_kappa,
-                            n_train=config.n_train, d=config.d,
-                            n_query=config.n_query, lam=config.lam,
-                            noise=config.noise)
+  x, y, xq = newton.spectrum_tasks(
+      rng, kappa=kappa, count=config.tasks_per_kappa, n_train=config.n_train,
+      d=config.d, n_query=config.n_query, lam=config.lam, noise=config.noise)
   y = y[..., None]  # n_out = 1: y [B, N, 1]
   w_star = np.asarray(ridge.solve(jnp.asarray(x), jnp.asarray(y),
                                   lam=config.lam))
@@ -482,7 +481,7 @@ def bytes_needed(config) -> int:
 
 def _per_kappa(config, wd: workdirs.Workdir, runners: dict) -> list[dict]:
   """Every kappa's result: loaded if an earlier run saved it, else computed and saved."""
-  return per_kappa(
+  return newton.per_kappa(
       config, wd, lambda kappa, rng: _kappa_result(config, kappa, rng, runners),
       name="algorithms")
 
