@@ -5,8 +5,10 @@ its ``main`` calls :func:`run_main` (directly or through
 :func:`experiments.distributed.run_main`), which calls the driver's
 importable ``run(config, workdir, overwrite=...)``. This module guarantees:
 
-* Flags are defined only by :func:`define_flags`, under ``__main__``: tests
-  and notebooks import every driver, and no flag is read below ``main``.
+* ``--config``, ``--workdir`` and ``--overwrite`` are defined only by
+  :func:`define_flags`, under ``__main__`` (``--distributed`` and its flags
+  by :func:`experiments.distributed.define_flags`): tests and notebooks
+  import every driver, and no flag is read below ``main``.
 * ``--config`` defaults to ``experiments/configs/<driver>.py``, found from
   any working folder; an unknown ``--config.FIELD`` is one line naming the
   config's fields, an unknown variant (``...py:NAME``) one line naming the
