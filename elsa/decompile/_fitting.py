@@ -3,9 +3,11 @@ tasks (:func:`identify`), with the field's metrics of each fit."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import warnings
 from typing import Any, Sequence
 
@@ -234,7 +236,10 @@ def _fit_and_judge(family: Family, task: ridge.Task, target: Array,
     return unravel(jax.lax.scan(step, carry, None, length=lm_steps)[0][0])
 
   def one(k, rows):
-    u = levenberg_marquardt(adam(start(k), rows), rows)
+    u = start(k)
+    if adam_steps:  # static: without Adam its gradient is not even traced
+      u = adam(u, rows)
+    u = levenberg_marquardt(u, rows)
     return u, loss(u, rows)
 
   keys = jax.random.split(key, restarts)
@@ -422,8 +427,8 @@ def _fit_family(family: Family, model_rows: Array, fit_task: ridge.Task,
 
 def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
         iterations=1, test_tasks: ridge.Task | None = None, lam=0.0,
-        key: Array | None = None, restarts: int = 8, adam_steps: int = 200,
-        lm_steps: int = 30) -> Fit:
+        key: Array | None = None, restarts: int = 4, adam_steps: int = 0,
+        lm_steps: int = 20) -> Fit:
   """``family``'s parameters that reproduce ``model``'s predictions at every compared layer.
 
   Args:
@@ -440,7 +445,10 @@ def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
     key: of the random starts (default ``jax.random.key(0)``).
     restarts, adam_steps, lm_steps: random starts (vmapped, ``>= 1``), Adam
       steps, then Levenberg–Marquardt steps (``>= 0``), each at most
-      :data:`MAX_STEPS`.
+      :data:`MAX_STEPS`. Adam is off by default: from the same starts,
+      Levenberg–Marquardt alone reaches the same fits on the controls and on
+      trained stacks, and without it its gradient is neither compiled nor
+      run (docs/guides/decompile.md, "A minute per stack").
 
   Returns:
     the :class:`Fit`, its metrics on ``test_tasks``.
@@ -470,6 +478,28 @@ def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
   return _fit_family(family, rows, fit_tasks, [steps], ref, lam=lam, key=key,
                      restarts=restarts, adam_steps=adam_steps,
                      lm_steps=lm_steps)
+
+
+def _in_threads(fn, items: Sequence) -> list:
+  """``[fn(item) for item in items]``, on as many threads as there are cores.
+
+  Each family's fit is traced (Python, under the GIL), compiled and run
+  (XLA, which releases it): on threads, one family compiles or runs while the
+  next is traced, and two compile at once on two cores. JAX's configuration
+  contexts are per thread, so this thread's 64-bit mode and matmul
+  precision (a caller's ``jax.enable_x64(True)``) are set in each.
+  """
+  workers = min(len(items), os.cpu_count() or 1)
+  if workers <= 1:
+    return [fn(item) for item in items]
+  x64 = jax.config.jax_enable_x64
+  precision = jax.config.jax_default_matmul_precision
+
+  def call(item):
+    with jax.enable_x64(x64), jax.default_matmul_precision(precision):
+      return fn(item)
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    return list(pool.map(call, items))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -562,7 +592,7 @@ class Report:
 def identify(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
              families: Sequence[str] | None = None, tol: float = 1e-3,
              lam=0.0, iterations: Sequence = (1, 2), key: Array | None = None,
-             restarts: int = 8, adam_steps: int = 200, lm_steps: int = 30
+             restarts: int = 4, adam_steps: int = 0, lm_steps: int = 20
              ) -> Report:
   """Fits every family to ``model`` on ``fit_tasks`` and ranks them on ``test_tasks``.
 
@@ -612,10 +642,9 @@ def identify(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
                 max(c[-1] for c in candidates), len(candidates), restarts)
   _finite_rows(fn, "fit_tasks", rows)
   ref = _reference(fn, model, test_tasks, jax.random.fold_in(key, 1))
-  fits = _rank([_fit_family(FAMILIES[name], rows, fit_tasks, candidates, ref,
-                            lam=lam, key=key, restarts=restarts,
-                            adam_steps=adam_steps, lm_steps=lm_steps)
-                for name in names])
+  fits = _rank(_in_threads(lambda name: _fit_family(
+      FAMILIES[name], rows, fit_tasks, candidates, ref, lam=lam, key=key,
+      restarts=restarts, adam_steps=adam_steps, lm_steps=lm_steps), names))
   closest = _closest(fits)
   within = [f for f in fits if f.disagreement <= tol]
   if not within:
