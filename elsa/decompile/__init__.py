@@ -43,8 +43,9 @@ the runner-up and than constant-step GD (what to read when ``best`` is
 :func:`spectral` is fit-free: the filter ``g_l`` with ``prediction = x_q^T
 g_l(A) X^T y / N`` at every exposed layer by linear least squares, its
 residual polynomial and roots (a GD schedule where they are real), and the
-explained-share ladder (GD, GD at its own ridge strength, a GD schedule, the
-polynomial, the polynomial with extra terms).
+explained-share ladder (:data:`RUNGS`: GD, GD doubling its steps every
+layer, GD at its own ridge strength, a GD schedule, the polynomial, the
+polynomial with extra terms).
 
 :func:`similarity` is Fu et al. (2023)'s layer x iteration cosine map;
 :func:`weight_structure` Ahn et al. (2023)'s distance of the trained blocks
@@ -61,10 +62,11 @@ from elsa.decompile._families import (FAMILIES, Family, Parameter,
 from elsa.decompile._fitting import (EXACT, MAX_STEPS, TIE, Closest, Fit,
                                      Report, fit, identify)
 from elsa.decompile._models import Model, from_compiled, from_model
-from elsa.decompile._spectral import EXTRAS, Spectral, spectral
+from elsa.decompile._spectral import EXTRAS, RUNGS, Spectral, spectral
 
 __all__ = ["EXACT", "EXTRAS", "FAMILIES", "MAX_STEPS", "Closest", "Family",
-           "Fit", "Model", "Parameter", "Report", "Spectral", "TIE", "fit",
-           "from_compiled", "from_model", "gd_plus_plus_program", "identify",
+           "Fit", "Model", "Parameter", "RUNGS", "Report", "Spectral", "TIE",
+           "fit", "from_compiled", "from_model", "gd_plus_plus_program",
+           "identify",
            "preconditioned_gd_program", "similarity", "spectral",
            "weight_structure"]
