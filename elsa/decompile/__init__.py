@@ -25,9 +25,10 @@ model's at every exposed layer: the pooled relative squared error
   D(\theta) = \frac{\sum_{l, b, q} (f_{lbq}(\theta) - g_{lbq})^2}
                    {\sum_{l, b, q} g_{lbq}^2},
 
-``f`` the family's, ``g`` the model's predictions, minimised by Adam (optax)
-from ``restarts`` random starts at once (``vmap``), then Levenberg–Marquardt on
-the residuals, jit-compiled once per family and iteration count.
+``f`` the family's, ``g`` the model's predictions, minimised by
+Levenberg–Marquardt on the residuals (after optional Adam steps, optax) from
+``restarts`` random starts at once (``vmap``), jit-compiled once per family
+and iteration count; the families are fitted on threads.
 :func:`identify` fits every family and ranks them on HELD-OUT tasks by
 ``D``, reporting for each the squared prediction difference (SPD), the
 implicit linear weight difference (ILWD: ``w`` least-squares fitted to the

@@ -427,7 +427,7 @@ def _fit_family(family: Family, model_rows: Array, fit_task: ridge.Task,
 
 def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
         iterations=1, test_tasks: ridge.Task | None = None, lam=0.0,
-        key: Array | None = None, restarts: int = 4, adam_steps: int = 0,
+        key: Array | None = None, restarts: int = 8, adam_steps: int = 0,
         lm_steps: int = 20) -> Fit:
   """``family``'s parameters that reproduce ``model``'s predictions at every compared layer.
 
@@ -592,7 +592,7 @@ class Report:
 def identify(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
              families: Sequence[str] | None = None, tol: float = 1e-3,
              lam=0.0, iterations: Sequence = (1, 2), key: Array | None = None,
-             restarts: int = 4, adam_steps: int = 0, lm_steps: int = 20
+             restarts: int = 8, adam_steps: int = 0, lm_steps: int = 20
              ) -> Report:
   """Fits every family to ``model`` on ``fit_tasks`` and ranks them on ``test_tasks``.
 
