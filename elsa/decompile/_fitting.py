@@ -352,20 +352,28 @@ class _Reference:
   weights: np.ndarray      # [B, d]
 
 
-def _reference(fn: str, model: Model, task: ridge.Task, key: Array
-               ) -> _Reference:
+def _layers(fn: str, model: Model, task: ridge.Task) -> int:
+  """How many layers the model's rows compare (traced, not run)."""
+  return jax.eval_shape(lambda t: _model_rows(fn, model, t), task).shape[0]
+
+
+def _evaluate(fn: str, model: Model, fit_task: ridge.Task,
+              task: ridge.Task, key: Array) -> tuple[Array, _Reference]:
+  """The model's compared rows on the fit tasks, and what it does on the
+  evaluation tasks: one compilation of the model per call."""
   probes = _probes(key, task)
 
-  def outputs(task, probes):
+  def outputs(fit_task, task, probes):
     final = lambda t: _model_rows(fn, model, t)[-1]
-    return (_model_rows(fn, model, task),
+    return (_model_rows(fn, model, fit_task), _model_rows(fn, model, task),
             training.query_sensitivity(final, task),
             jax.vmap(lambda xq: final(task._replace(x_query=xq)))(probes))
-  rows, sens, probe_preds = jax.jit(outputs)(task, probes)
+  fit_rows, rows, sens, probe_preds = jax.jit(outputs)(fit_task, task, probes)
+  _finite_rows(fn, "fit_tasks", fit_rows)
   rows = _finite_rows(fn, "test_tasks", rows)
-  return _Reference(task, np.asarray(rows, np.float64),
-                    np.asarray(sens, np.float64), probes,
-                    _implicit_weights(probes, probe_preds))
+  return fit_rows, _Reference(task, np.asarray(rows, np.float64),
+                              np.asarray(sens, np.float64), probes,
+                              _implicit_weights(probes, probe_preds))
 
 
 def _stat(per_task: np.ndarray) -> tuple[float, float]:
@@ -470,11 +478,11 @@ def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
   _check_optimiser(fn, lam=lam, restarts=restarts, adam_steps=adam_steps,
                    lm_steps=lm_steps)
   key = jax.random.key(0) if key is None else key
-  rows = jax.jit(lambda t: _model_rows(fn, model, t))(fit_tasks)
-  steps = _steps(fn, iterations, rows.shape[0])
-  _check_memory(fn, [family], fit_tasks, rows.shape[0], steps[-1], 1, restarts)
-  _finite_rows(fn, "fit_tasks", rows)
-  ref = _reference(fn, model, test_tasks, jax.random.fold_in(key, 1))
+  layers = _layers(fn, model, fit_tasks)
+  steps = _steps(fn, iterations, layers)
+  _check_memory(fn, [family], fit_tasks, layers, steps[-1], 1, restarts)
+  rows, ref = _evaluate(fn, model, fit_tasks, test_tasks,
+                        jax.random.fold_in(key, 1))
   return _fit_family(family, rows, fit_tasks, [steps], ref, lam=lam, key=key,
                      restarts=restarts, adam_steps=adam_steps,
                      lm_steps=lm_steps)
@@ -636,12 +644,12 @@ def identify(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
     raise TypeError(f"{fn}: iterations must be an int or a non-empty sequence "
                     f"of candidates, got {iterations!r}.")
   key = jax.random.key(0) if key is None else key
-  rows = jax.jit(lambda t: _model_rows(fn, model, t))(fit_tasks)
-  candidates = [_steps(fn, k, rows.shape[0]) for k in iterations]
-  _check_memory(fn, [FAMILIES[n] for n in names], fit_tasks, rows.shape[0],
+  layers = _layers(fn, model, fit_tasks)
+  candidates = [_steps(fn, k, layers) for k in iterations]
+  _check_memory(fn, [FAMILIES[n] for n in names], fit_tasks, layers,
                 max(c[-1] for c in candidates), len(candidates), restarts)
-  _finite_rows(fn, "fit_tasks", rows)
-  ref = _reference(fn, model, test_tasks, jax.random.fold_in(key, 1))
+  rows, ref = _evaluate(fn, model, fit_tasks, test_tasks,
+                        jax.random.fold_in(key, 1))
   fits = _rank(_in_threads(lambda name: _fit_family(
       FAMILIES[name], rows, fit_tasks, candidates, ref, lam=lam, key=key,
       restarts=restarts, adam_steps=adam_steps, lm_steps=lm_steps), names))

@@ -377,11 +377,12 @@ def spectral(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
     raise ValueError(f"{fn}: extras must be distinct names of {EXTRAS}, got "
                      f"{extras!r}.")
   lam = float(lam)
-  rows = jax.jit(lambda t: _fitting._model_rows(fn, model, t))
-  target = _fitting._finite_rows(fn, "fit_tasks", rows(fit_tasks)).astype(
-      np.float64)
-  held = _fitting._finite_rows(fn, "test_tasks", rows(test_tasks)).astype(
-      np.float64)
+  # One compilation of the model for both task sets.
+  rows = jax.jit(lambda a, b: (_fitting._model_rows(fn, model, a),
+                               _fitting._model_rows(fn, model, b)))
+  target, held = rows(fit_tasks, test_tasks)
+  target = _fitting._finite_rows(fn, "fit_tasks", target).astype(np.float64)
+  held = _fitting._finite_rows(fn, "test_tasks", held).astype(np.float64)
   fit, test = _data(fit_tasks), _data(test_tasks)
   lo, hi = float(np.min(fit.evals)), float(np.max(fit.evals))
   if not hi > lo:
