@@ -453,10 +453,11 @@ def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
     key: of the random starts (default ``jax.random.key(0)``).
     restarts, adam_steps, lm_steps: random starts (vmapped, ``>= 1``), Adam
       steps, then Levenberg–Marquardt steps (``>= 0``), each at most
-      :data:`MAX_STEPS`. Adam is off by default: from the same starts,
-      Levenberg–Marquardt alone reaches the same fits on the controls and on
-      trained stacks, and without it its gradient is neither compiled nor
-      run (docs/guides/decompile.md, "A minute per stack").
+      :data:`MAX_STEPS`. Adam is off by default: Levenberg–Marquardt alone
+      reaches the controls' exact fits and, on trained stacks, the held-out
+      ``D`` that Adam first reached, to a few percent; without it its
+      gradient is neither compiled nor run (docs/guides/decompile.md, "A
+      minute per stack").
 
   Returns:
     the :class:`Fit`, its metrics on ``test_tasks``.
