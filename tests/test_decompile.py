@@ -298,6 +298,19 @@ def test_gd_at_another_lam_is_described_as_that_lam(frac, lam):
   assert gd_plus_plus.disagreement > 1e3 * report.best.disagreement
 
 
+def test_fits_on_threads_see_the_callers_jax_settings():
+  # JAX's configuration contexts are per thread: the driver's 64-bit mode
+  # (jax.enable_x64(True) around a 32-bit process) must reach the fits.
+  from elsa.decompile import _fitting
+  seen = lambda _: (jax.config.jax_enable_x64,
+                    jax.config.jax_default_matmul_precision,
+                    jnp.zeros(1).dtype)
+  for x64, dtype in ((False, jnp.float32), (True, jnp.float64)):
+    with jax.enable_x64(x64), jax.default_matmul_precision("bfloat16"):
+      assert _fitting._in_threads(seen, range(4)) == [
+          (x64, "bfloat16", dtype)] * 4
+
+
 def _fake_fit(family, disagreement, n_params):
   return decompile.Fit(family, (1,), {}, disagreement, (),
                        {"n_params": n_params}, LAM)
