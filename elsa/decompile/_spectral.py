@@ -40,9 +40,9 @@ error, as :func:`elsa.decompile.identify`) of nested descriptions
 (:data:`RUNGS`): GD at one step size, one or two steps per layer (``gd``), or
 doubling its steps every layer, ``2^l`` after layer ``l`` as Newton–Schulz
 (``gd_doubling``); GD at one step and its own ridge strength ``lam > 0``
-(``gd_lam``, with ``lam_identified``: whether ``D`` moves with ``lam``); GD at a schedule (``gd_schedule``);
-the polynomial (``polynomial``), and with the extras
-(``polynomial+extras``).
+(``gd_lam``, with ``lam_identified``: whether ``D`` moves with ``lam``); GD
+at a schedule (``gd_schedule``); the polynomial (``polynomial``), and with
+the extras (``polynomial+extras``).
 """
 
 from __future__ import annotations
