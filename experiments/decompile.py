@@ -28,13 +28,17 @@ sharded over the local devices (a ``Mesh`` over them and a ``NamedSharding``
 of every task array; parameters replicated).
 
 Multi-host (``--distributed``, :mod:`experiments.distributed`): validation is
-agreed by every process and process 0 alone claims the workdir and writes;
-each process decompiles on its own devices (the fits are small: the work is
-repeated, not split, so every process holds the same results).
+agreed by every process and process 0 alone claims the workdir and writes.
+The stacks are split over the processes (the ``k``-th stack still to do on
+process ``k mod P``, on its own devices), and each result is gathered on
+every process through the coordination service's key-value store, so every
+process returns the same results; process 0 writes each partial file as it
+is done or arrives.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -74,8 +78,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      allow_empty=True)
   checks.check_float(config, "tol", low=0, low_open=True)
   checks.check_items(config, "iterations", integer=True, low=1)
-  for field in ("restarts", "adam_steps", "lm_steps", "similarity_steps"):
+  for field in ("restarts", "similarity_steps"):
     checks.check_int(config, field)
+  for field in ("adam_steps", "lm_steps"):
+    checks.check_int(config, field, low=0)
   checks.check_int(config, "spectral_degree", low=0)
   checks.check_items(config, "spectral_extras", choices=decompile.EXTRAS,
                      allow_empty=True)
@@ -148,32 +154,67 @@ def _one(config, model, depth: int, eta: float, fit_tasks, test_tasks,
           "weight_structure": structure}
 
 
+# A process waits this long for a stack another process decompiles: its whole
+# share may come first (a dead process ends the job through the heartbeats).
+_SHARE_TIMEOUT_MS = 24 * 3600 * 1000
+
+
+def _shared(job: str, owner: int, compute):
+  """``compute()`` on process ``owner``, its JSON value on every process.
+
+  The owner posts it in the coordination service's key-value store (every
+  driver's channel between processes, :mod:`experiments.distributed`); the
+  others wait for it there. One process: ``compute()``.
+  """
+  client = distributed._client()  # pylint: disable=protected-access
+  if client is None:
+    return compute()
+  key = f"elsa/decompile/{job}"
+  if jax.process_index() == owner:
+    value = workdirs.finite_or_none(compute())
+    client.key_value_set(key, json.dumps(value, allow_nan=False))
+    return value
+  return json.loads(client.blocking_key_value_get(key, _SHARE_TIMEOUT_MS))
+
+
 def _decompile_all(config, wd: workdirs.Workdir, train_workdir: str,
                    train_results: dict) -> dict:
+  """Every model at every depth: those without a partial file are split over
+  the processes (the ``k``-th on process ``k mod P``), each result gathered
+  on every process; process 0 writes the partial files (its own as soon as
+  each is done, the others' as they arrive)."""
   fit_tasks = _sharded_tasks(config, 1, config.n_fit)
   test_tasks = _sharded_tasks(config, 2, config.n_test)
   spectral_tasks = (_sharded_tasks(config, 3, config.spectral_n_fit),
                     _sharded_tasks(config, 4, config.spectral_n_test))
   names = list(config.models or config.train.models)
   depths = list(config.train.depths)
-  progress = cli.Progress(len(names) * len(depths), name="decompile",
-                             unit="stacks")
-  out = {}
-  for name in names:
-    out[name] = []
-    for i, depth in enumerate(depths):
-      partial = f"partial_{name}_L{depth}.json"
-      found = wd.read_json(partial)
-      if found is None:
-        model = _trained(config, train_workdir, train_results, name, depth)
-        found = ({"depth": depth, "diverged": True} if model is None else
-                 _one(config, model, depth, train_results["gd_best_eta"][i],
-                      fit_tasks, test_tasks, spectral_tasks))
-        wd.write_json(partial, found)
-        progress.update()
-      else:
-        progress.resumed(1)
-      out[name].append(workdirs.finite_or_none(found))
+  jobs = [(name, i, depth) for name in names for i, depth in enumerate(depths)]
+  done = {(name, depth): wd.read_json(f"partial_{name}_L{depth}.json")
+          for name, _, depth in jobs}
+  todo = [job for job in jobs if done[job[0], job[2]] is None]
+  progress = cli.Progress(len(jobs), name="decompile", unit="stacks")
+  progress.resumed(len(jobs) - len(todo))
+  # Each process computes its own share first, then gathers the others'.
+  me, processes = jax.process_index(), jax.process_count()
+  order = sorted(range(len(todo)), key=lambda k: k % processes != me)
+  for k in order:
+    name, i, depth = todo[k]
+    owner = k % processes
+
+    def compute(name=name, i=i, depth=depth):
+      logging.info("decompile: process %d decompiles %s L=%d", me, name,
+                   depth)
+      model = _trained(config, train_workdir, train_results, name, depth)
+      return ({"depth": depth, "diverged": True} if model is None else
+              _one(config, model, depth, train_results["gd_best_eta"][i],
+                   fit_tasks, test_tasks, spectral_tasks))
+    found = _shared(f"{name}_L{depth}", owner, compute)
+    wd.write_json(f"partial_{name}_L{depth}.json", found)
+    done[name, depth] = found
+    progress.update()
+  out = {name: [workdirs.finite_or_none(done[name, depth]) for depth in depths]
+         for name in names}
   return {"models": out, "depths": depths, "lam": _spec(config).lam,
           "gd_best_eta": train_results["gd_best_eta"],
           "train_test_loss": {n: train_results["test_loss"][n] for n in names}}
@@ -253,7 +294,7 @@ def filters_figure(per_depth: list[dict], name: str, lam: float) -> Figure:
     for layer, coef in enumerate(s["coefficients"]):
       line, = ax.plot(grid, np.polynomial.chebyshev.chebval(
           scaled, coef[:s["degree"] + 1]), label=f"layer {layer + 1}")
-      steps = (layer + 1) * gd["per_layer_steps"]
+      steps = gd["steps"][layer]
       ax.plot(grid, (1 - (1 - gd["eta"][0] * (grid + lam)) ** steps)
               / (grid + lam), "--", color=line.get_color(), lw=0.8)
     ax.plot(grid, 1 / (grid + lam), "k:", label="ridge")
@@ -267,7 +308,7 @@ def ladder_figure(results: dict) -> Figure:
   """Held-out D of each rung of the explained-share ladder, per model and depth."""
   fig = Figure(figsize=(6, 3.5), layout="constrained")
   ax = fig.add_subplot()
-  rungs = ("gd", "gd_lam", "gd_schedule", "polynomial", "polynomial+extras")
+  rungs = decompile.RUNGS
   for name, per_depth in results["models"].items():
     for r in per_depth:
       if "spectral" not in r:

@@ -204,8 +204,6 @@ def _check_ranked(report):
   assert report.closest.family == report.fits[0].family
 
 
-# Fewer optimiser steps than the defaults: enough for these exact targets.
-QUICK = dict(restarts=4, adam_steps=100, lm_steps=20)
 # One draw each, not shrunk: an identify call takes seconds.
 ONCE = dict(max_examples=1, phases=(Phase.explicit, Phase.generate))
 
@@ -220,8 +218,7 @@ def test_compiled_algorithms_are_identified_with_their_parameters(name, data):
   # An exact stack is judged at an exact tolerance: at the default 1e-3 a
   # weak momentum (beta = 0.125) is within tol of GD (D = 9.6e-4), and GD,
   # simpler, is the answer there.
-  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-8,
-                              **QUICK)
+  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-8)
   best = report.best
   assert best is not None and best.family == name, [
       (f.family, f.disagreement) for f in report.fits]
@@ -251,8 +248,7 @@ def test_noisy_compiled_weights_are_still_identified(name, data):
                        for leaf, k in zip(clean, keys)))
   model = decompile.from_compiled(compiled, loops=LOOPS, params=noisy,
                                   lam=LAM, **scalars)
-  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-3,
-                              **QUICK)
+  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-3)
   # The true family fits within tol and as well as any (a family containing
   # it may fit the noise a little better), and it is the answer or tied with
   # it (a family as simple that the noise lets within tol).
@@ -271,7 +267,7 @@ def test_random_stack_is_no_family():
                         for leaf, k in zip(clean, keys)))
   model = decompile.from_compiled(compiled, loops=LOOPS, params=random,
                                   lam=LAM, eta=0.1)
-  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, **QUICK)
+  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM)
   assert report.best is None and report.ties == ()
   assert min(f.disagreement for f in report.fits) > 1e-2
   assert report.as_dict()["best"] is None
@@ -294,13 +290,25 @@ def test_gd_at_another_lam_is_described_as_that_lam(frac, lam):
   model = decompile.from_compiled(_compiled("gd"), loops=LOOPS, lam=lam,
                                   eta=eta)
   report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM, tol=1e-8,
-                              families=("gd", "gd_lam", "gd_plus_plus"),
-                              **QUICK)
+                              families=("gd", "gd_lam", "gd_plus_plus"))
   assert report.best.family == "gd_lam" and report.closest.family == "gd_lam"
   _check_recovered(report.best, {"eta": eta, "lam": lam})
   assert report.closest.vs_gd > 1e6
   gd_plus_plus = next(f for f in report.fits if f.family == "gd_plus_plus")
   assert gd_plus_plus.disagreement > 1e3 * report.best.disagreement
+
+
+def test_fits_on_threads_see_the_callers_jax_settings():
+  # JAX's configuration contexts are per thread: the driver's 64-bit mode
+  # (jax.enable_x64(True) around a 32-bit process) must reach the fits.
+  from elsa.decompile import _fitting
+  seen = lambda _: (jax.config.jax_enable_x64,
+                    jax.config.jax_default_matmul_precision,
+                    jnp.zeros(1).dtype)
+  for x64, dtype in ((False, jnp.float32), (True, jnp.float64)):
+    with jax.enable_x64(x64), jax.default_matmul_precision("bfloat16"):
+      assert _fitting._in_threads(seen, range(4)) == [
+          (x64, "bfloat16", dtype)] * 4
 
 
 def _fake_fit(family, disagreement, n_params):
@@ -455,7 +463,7 @@ _BAD = [
 def test_identify_and_fit_refuse_bad_arguments(change, error, message):
   args = dict(model=decompile.from_compiled(_compiled("gd"), loops=2, lam=LAM,
                                             eta=0.1),
-              fit_tasks=FIT_TASKS, test_tasks=TEST_TASKS, lam=LAM, **QUICK)
+              fit_tasks=FIT_TASKS, test_tasks=TEST_TASKS, lam=LAM)
   args.update(change)
   with pytest.raises(error, match=message):
     decompile.identify(**args)
@@ -526,6 +534,12 @@ def test_spectral_controls_name_the_truth(base, order, alpha, other_lam):
   # as that schedule although rounding splits it into a complex cluster.
   for t, schedule in enumerate(spec.schedules, start=1):
     np.testing.assert_allclose(schedule, np.full(2 ** t, alpha), rtol=1e-6)
+  # The ladder's doubling rung is that GD (2^t steps after layer t); one or
+  # two steps per layer are not.
+  doubling = spec.ladder["gd_doubling"]
+  assert doubling["disagreement"] < 1e-20 and doubling["steps"] == [2, 4, 8]
+  assert helpers.rel_err(doubling["eta"][0], alpha) < 1e-8
+  assert spec.ladder["gd"]["disagreement"] > 1e-6
   # Chebyshev: the roots of layer t are the degree-t nodes of [lo, hi].
   lo, hi = 0.5 * mu_lo, 1.2 * mu_hi
   eta, beta = algorithms.chebyshev_schedule(lo, hi, LOOPS)
@@ -554,7 +568,24 @@ def test_spectral_controls_name_the_truth(base, order, alpha, other_lam):
       "disagreement"] > 1e-6
   assert helpers.rel_err(rung["lam"], other_lam) < 1e-8
   assert helpers.rel_err(rung["eta"][0], eta) < 1e-8
-  assert rung["per_layer_steps"] == 1
+  assert rung["per_layer_steps"] == 1 and rung["steps"] == [1, 2, 3]
+  assert rung["lam_identified"]
+  # Far above the spectrum lam is still found where the data show it (an
+  # upper bound would cut it off); after one step it does not enter GD at
+  # all, and the rung says so.
+  far = 100 * spec.hi
+  model = decompile.from_compiled(_compiled("gd"), loops=LOOPS, lam=far,
+                                  eta=0.5 / far)
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=LOOPS,
+                            extras=(), lam=LAM)
+  rung = spec.ladder["gd_lam"]
+  assert rung["disagreement"] < 1e-20 and rung["lam_identified"]
+  assert helpers.rel_err(rung["lam"], far) < 1e-6
+  model = decompile.from_compiled(_compiled("gd"), loops=1, lam=other_lam,
+                                  eta=eta)
+  spec = decompile.spectral(model, FIT_TASKS, TEST_TASKS, degree=1,
+                            extras=(), lam=LAM)
+  assert not spec.ladder["gd_lam"]["lam_identified"]
 
 
 def test_spectral_extras_are_fitted_and_shared_out():

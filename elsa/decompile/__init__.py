@@ -25,9 +25,10 @@ model's at every exposed layer: the pooled relative squared error
   D(\theta) = \frac{\sum_{l, b, q} (f_{lbq}(\theta) - g_{lbq})^2}
                    {\sum_{l, b, q} g_{lbq}^2},
 
-``f`` the family's, ``g`` the model's predictions, minimised by Adam (optax)
-from ``restarts`` random starts at once (``vmap``), then Levenberg–Marquardt on
-the residuals, jit-compiled once per family and iteration count.
+``f`` the family's, ``g`` the model's predictions, minimised by
+Levenberg–Marquardt on the residuals (after optional Adam steps, optax) from
+``restarts`` random starts at once (``vmap``), jit-compiled once per family
+and iteration count; the families are fitted on threads.
 :func:`identify` fits every family and ranks them on HELD-OUT tasks by
 ``D``, reporting for each the squared prediction difference (SPD), the
 implicit linear weight difference (ILWD: ``w`` least-squares fitted to the
@@ -43,8 +44,9 @@ the runner-up and than constant-step GD (what to read when ``best`` is
 :func:`spectral` is fit-free: the filter ``g_l`` with ``prediction = x_q^T
 g_l(A) X^T y / N`` at every exposed layer by linear least squares, its
 residual polynomial and roots (a GD schedule where they are real), and the
-explained-share ladder (GD, GD at its own ridge strength, a GD schedule, the
-polynomial, the polynomial with extra terms).
+explained-share ladder (:data:`RUNGS`: GD, GD doubling its steps every
+layer, GD at its own ridge strength, a GD schedule, the polynomial, the
+polynomial with extra terms).
 
 :func:`similarity` is Fu et al. (2023)'s layer x iteration cosine map;
 :func:`weight_structure` Ahn et al. (2023)'s distance of the trained blocks
@@ -61,10 +63,11 @@ from elsa.decompile._families import (FAMILIES, Family, Parameter,
 from elsa.decompile._fitting import (EXACT, MAX_STEPS, TIE, Closest, Fit,
                                      Report, fit, identify)
 from elsa.decompile._models import Model, from_compiled, from_model
-from elsa.decompile._spectral import EXTRAS, Spectral, spectral
+from elsa.decompile._spectral import EXTRAS, RUNGS, Spectral, spectral
 
 __all__ = ["EXACT", "EXTRAS", "FAMILIES", "MAX_STEPS", "Closest", "Family",
-           "Fit", "Model", "Parameter", "Report", "Spectral", "TIE", "fit",
-           "from_compiled", "from_model", "gd_plus_plus_program", "identify",
+           "Fit", "Model", "Parameter", "RUNGS", "Report", "Spectral", "TIE",
+           "fit", "from_compiled", "from_model", "gd_plus_plus_program",
+           "identify",
            "preconditioned_gd_program", "similarity", "spectral",
            "weight_structure"]

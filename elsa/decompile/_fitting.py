@@ -3,9 +3,11 @@ tasks (:func:`identify`), with the field's metrics of each fit."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import warnings
 from typing import Any, Sequence
 
@@ -234,7 +236,10 @@ def _fit_and_judge(family: Family, task: ridge.Task, target: Array,
     return unravel(jax.lax.scan(step, carry, None, length=lm_steps)[0][0])
 
   def one(k, rows):
-    u = levenberg_marquardt(adam(start(k), rows), rows)
+    u = start(k)
+    if adam_steps:  # static: without Adam its gradient is not even traced
+      u = adam(u, rows)
+    u = levenberg_marquardt(u, rows)
     return u, loss(u, rows)
 
   keys = jax.random.split(key, restarts)
@@ -347,20 +352,28 @@ class _Reference:
   weights: np.ndarray      # [B, d]
 
 
-def _reference(fn: str, model: Model, task: ridge.Task, key: Array
-               ) -> _Reference:
+def _layers(fn: str, model: Model, task: ridge.Task) -> int:
+  """How many layers the model's rows compare (traced, not run)."""
+  return jax.eval_shape(lambda t: _model_rows(fn, model, t), task).shape[0]
+
+
+def _evaluate(fn: str, model: Model, fit_task: ridge.Task,
+              task: ridge.Task, key: Array) -> tuple[Array, _Reference]:
+  """The model's compared rows on the fit tasks, and what it does on the
+  evaluation tasks: one compilation of the model per call."""
   probes = _probes(key, task)
 
-  def outputs(task, probes):
+  def outputs(fit_task, task, probes):
     final = lambda t: _model_rows(fn, model, t)[-1]
-    return (_model_rows(fn, model, task),
+    return (_model_rows(fn, model, fit_task), _model_rows(fn, model, task),
             training.query_sensitivity(final, task),
             jax.vmap(lambda xq: final(task._replace(x_query=xq)))(probes))
-  rows, sens, probe_preds = jax.jit(outputs)(task, probes)
+  fit_rows, rows, sens, probe_preds = jax.jit(outputs)(fit_task, task, probes)
+  _finite_rows(fn, "fit_tasks", fit_rows)
   rows = _finite_rows(fn, "test_tasks", rows)
-  return _Reference(task, np.asarray(rows, np.float64),
-                    np.asarray(sens, np.float64), probes,
-                    _implicit_weights(probes, probe_preds))
+  return fit_rows, _Reference(task, np.asarray(rows, np.float64),
+                              np.asarray(sens, np.float64), probes,
+                              _implicit_weights(probes, probe_preds))
 
 
 def _stat(per_task: np.ndarray) -> tuple[float, float]:
@@ -422,8 +435,8 @@ def _fit_family(family: Family, model_rows: Array, fit_task: ridge.Task,
 
 def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
         iterations=1, test_tasks: ridge.Task | None = None, lam=0.0,
-        key: Array | None = None, restarts: int = 8, adam_steps: int = 200,
-        lm_steps: int = 30) -> Fit:
+        key: Array | None = None, restarts: int = 8, adam_steps: int = 0,
+        lm_steps: int = 20) -> Fit:
   """``family``'s parameters that reproduce ``model``'s predictions at every compared layer.
 
   Args:
@@ -440,7 +453,11 @@ def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
     key: of the random starts (default ``jax.random.key(0)``).
     restarts, adam_steps, lm_steps: random starts (vmapped, ``>= 1``), Adam
       steps, then Levenberg–Marquardt steps (``>= 0``), each at most
-      :data:`MAX_STEPS`.
+      :data:`MAX_STEPS`. Adam is off by default: Levenberg–Marquardt alone
+      reaches the controls' exact fits and, on trained stacks, the held-out
+      ``D`` that Adam first reached, to a few percent; without it its
+      gradient is neither compiled nor run (docs/guides/decompile.md, "A
+      minute per stack").
 
   Returns:
     the :class:`Fit`, its metrics on ``test_tasks``.
@@ -462,14 +479,36 @@ def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
   _check_optimiser(fn, lam=lam, restarts=restarts, adam_steps=adam_steps,
                    lm_steps=lm_steps)
   key = jax.random.key(0) if key is None else key
-  rows = jax.jit(lambda t: _model_rows(fn, model, t))(fit_tasks)
-  steps = _steps(fn, iterations, rows.shape[0])
-  _check_memory(fn, [family], fit_tasks, rows.shape[0], steps[-1], 1, restarts)
-  _finite_rows(fn, "fit_tasks", rows)
-  ref = _reference(fn, model, test_tasks, jax.random.fold_in(key, 1))
+  layers = _layers(fn, model, fit_tasks)
+  steps = _steps(fn, iterations, layers)
+  _check_memory(fn, [family], fit_tasks, layers, steps[-1], 1, restarts)
+  rows, ref = _evaluate(fn, model, fit_tasks, test_tasks,
+                        jax.random.fold_in(key, 1))
   return _fit_family(family, rows, fit_tasks, [steps], ref, lam=lam, key=key,
                      restarts=restarts, adam_steps=adam_steps,
                      lm_steps=lm_steps)
+
+
+def _in_threads(fn, items: Sequence) -> list:
+  """``[fn(item) for item in items]``, on as many threads as there are cores.
+
+  Each family's fit is traced (Python, under the GIL), compiled and run
+  (XLA, which releases it): on threads, one family compiles or runs while the
+  next is traced, and two compile at once on two cores. JAX's configuration
+  contexts are per thread, so this thread's 64-bit mode and matmul
+  precision (a caller's ``jax.enable_x64(True)``) are set in each.
+  """
+  workers = min(len(items), os.cpu_count() or 1)
+  if workers <= 1:
+    return [fn(item) for item in items]
+  x64 = jax.config.jax_enable_x64
+  precision = jax.config.jax_default_matmul_precision
+
+  def call(item):
+    with jax.enable_x64(x64), jax.default_matmul_precision(precision):
+      return fn(item)
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    return list(pool.map(call, items))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -562,7 +601,7 @@ class Report:
 def identify(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
              families: Sequence[str] | None = None, tol: float = 1e-3,
              lam=0.0, iterations: Sequence = (1, 2), key: Array | None = None,
-             restarts: int = 8, adam_steps: int = 200, lm_steps: int = 30
+             restarts: int = 8, adam_steps: int = 0, lm_steps: int = 20
              ) -> Report:
   """Fits every family to ``model`` on ``fit_tasks`` and ranks them on ``test_tasks``.
 
@@ -606,16 +645,15 @@ def identify(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
     raise TypeError(f"{fn}: iterations must be an int or a non-empty sequence "
                     f"of candidates, got {iterations!r}.")
   key = jax.random.key(0) if key is None else key
-  rows = jax.jit(lambda t: _model_rows(fn, model, t))(fit_tasks)
-  candidates = [_steps(fn, k, rows.shape[0]) for k in iterations]
-  _check_memory(fn, [FAMILIES[n] for n in names], fit_tasks, rows.shape[0],
+  layers = _layers(fn, model, fit_tasks)
+  candidates = [_steps(fn, k, layers) for k in iterations]
+  _check_memory(fn, [FAMILIES[n] for n in names], fit_tasks, layers,
                 max(c[-1] for c in candidates), len(candidates), restarts)
-  _finite_rows(fn, "fit_tasks", rows)
-  ref = _reference(fn, model, test_tasks, jax.random.fold_in(key, 1))
-  fits = _rank([_fit_family(FAMILIES[name], rows, fit_tasks, candidates, ref,
-                            lam=lam, key=key, restarts=restarts,
-                            adam_steps=adam_steps, lm_steps=lm_steps)
-                for name in names])
+  rows, ref = _evaluate(fn, model, fit_tasks, test_tasks,
+                        jax.random.fold_in(key, 1))
+  fits = _rank(_in_threads(lambda name: _fit_family(
+      FAMILIES[name], rows, fit_tasks, candidates, ref, lam=lam, key=key,
+      restarts=restarts, adam_steps=adam_steps, lm_steps=lm_steps), names))
   closest = _closest(fits)
   within = [f for f in fits if f.disagreement <= tol]
   if not within:

@@ -36,10 +36,13 @@ trained models are known to use, each switchable:
   effect of the query's own token among the keys (unmasked layouts).
 
 The *explained-share ladder* gives the held-out ``D`` (pooled relative squared
-error, as :func:`elsa.decompile.identify`) of nested descriptions: GD at one
-step (``gd``), GD at one step and its own ridge strength (``gd_lam``), GD at
-a schedule (``gd_schedule``), the polynomial (``polynomial``), and with the
-extras (``polynomial+extras``).
+error, as :func:`elsa.decompile.identify`) of nested descriptions
+(:data:`RUNGS`): GD at one step size, one or two steps per layer (``gd``), or
+doubling its steps every layer, ``2^l`` after layer ``l`` as Newton–Schulz
+(``gd_doubling``); GD at one step and its own ridge strength ``lam > 0``
+(``gd_lam``, with ``lam_identified``: whether ``D`` moves with ``lam``); GD
+at a schedule (``gd_schedule``); the polynomial (``polynomial``), and with
+the extras (``polynomial+extras``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ from elsa.decompile import _fitting
 from elsa.decompile._models import Model
 
 EXTRAS = ("y_energy", "start", "query_key")
+# The explained-share ladder's rungs, from the fewest parameters up.
+RUNGS = ("gd", "gd_doubling", "gd_lam", "gd_schedule", "polynomial",
+         "polynomial+extras")
 # Chebyshev coefficients of g below this fraction of the largest are zero when
 # the roots are taken: a layer that computes a lower degree than K fits the
 # higher coefficients to rounding, whose roots would be spurious.
@@ -140,41 +146,55 @@ def _gd_filter(mu: np.ndarray, etas: np.ndarray) -> np.ndarray:
   return ((1 - residual) / mu.ravel()[None]).reshape(len(etas), *mu.shape)
 
 
-def _gd_rows(data: _Data, etas, lam, per_layer: int, layers: int
-             ) -> np.ndarray:
-  """GD's predictions after ``per_layer * l`` steps, ``l = 1..layers``."""
+def _gd_rows(data: _Data, etas, lam, steps: Sequence[int]) -> np.ndarray:
+  """GD's predictions after ``steps[l]`` steps (cumulative counts), one row per layer."""
   filt = _gd_filter(data.evals + lam, np.asarray(etas, np.float64))
-  steps = per_layer * np.arange(1, layers + 1) - 1
-  return np.einsum("bqi,sbi->sbq", data.weights, filt[steps])
+  return np.einsum("bqi,sbi->sbq", data.weights, filt[np.asarray(steps) - 1])
+
+
+def _step_counts(rung: str, layers: int) -> list[tuple[int, ...]]:
+  """The candidate GD step counts after each layer ``1..layers`` of a rung:
+  one or two steps per layer, or doubling (``2^l``: Newton–Schulz's layer
+  ``l`` is GD's step ``2^l``)."""
+  if rung == "gd_doubling":
+    return [tuple(2 ** l for l in range(1, layers + 1))]
+  return [tuple(k * l for l in range(1, layers + 1)) for k in (1, 2)]
+
+
+# gd_lam's ridge strength is identified where D moves with it: the
+# derivative of the relative residual in log lam at the fit has norm above
+# this. After one GD step from zero lam does not enter at all, and far above
+# the spectrum it hardly does (the fit may then run away at no cost in D).
+LAM_SEEN = 1e-6
 
 
 def _fit_gd(fit: _Data, target: np.ndarray, lam: float, hi: float, *,
-            free_lam: bool, schedule: np.ndarray | None = None) -> dict:
+            counts: Sequence[tuple[int, ...]], free_lam: bool = False,
+            schedule: np.ndarray | None = None) -> dict:
   """Least squares over GD's steps (and its ridge strength): ``{eta, lam,
-  per_layer, loss}``, the best of 1 and 2 steps per layer.
+  lam_identified, steps, loss}``, the best over the candidate step ``counts``.
 
-  Constant steps (and ``lam``) start from the best point of a log grid;
-  a schedule starts from ``schedule`` (the constant fit); then
-  Levenberg–Marquardt on ``log eta`` (and ``log lam``).
+  Constant steps (and ``lam``) start from the best point of a log grid; a
+  schedule starts from ``schedule`` (the constant fit); then
+  Levenberg–Marquardt on ``log eta`` (and ``log lam``: ``lam > 0``, with no
+  upper bound, which would cut off a ``lam`` the data identify).
   """
-  layers = target.shape[0]
   scale = np.sqrt(np.sum(target ** 2))
   best = None
-  for per_layer in (1, 2):
-    steps = per_layer * layers
+  for steps in map(tuple, counts):
+    total = steps[-1]
 
     def residual(v):
       v = np.clip(v, -50, 50)  # exp stays finite; such steps lose anyway
-      etas = (np.exp(v[:steps]) if schedule is not None
-              else np.full(steps, np.exp(v[0])))
+      etas = (np.exp(v[:total]) if schedule is not None
+              else np.full(total, np.exp(v[0])))
       lam_v = np.exp(v[-1]) if free_lam else lam
       with np.errstate(all="ignore"):
-        r = ((_gd_rows(fit, etas, lam_v, per_layer, layers) - target)
-             / scale).ravel()
+        r = ((_gd_rows(fit, etas, lam_v, steps) - target) / scale).ravel()
       return np.where(np.isfinite(r), r, 1e10)
 
     if schedule is not None:
-      if schedule.size != steps:
+      if schedule.size != total:
         continue
       v0 = np.log(schedule)
     else:
@@ -187,11 +207,15 @@ def _fit_gd(fit: _Data, target: np.ndarray, lam: float, hi: float, *,
                                  ftol=1e-15, gtol=1e-15, max_nfev=400)
     loss = float(np.sum(sol.fun ** 2))
     if best is None or loss < best["loss"]:
-      n = steps if schedule is not None else 1
+      n = total if schedule is not None else 1
       x = np.clip(sol.x, -50, 50)
       best = {"eta": np.exp(x[:n]),
               "lam": float(np.exp(x[-1])) if free_lam else lam,
-              "per_layer": per_layer, "loss": loss}
+              "steps": steps, "loss": loss}
+      if free_lam:
+        best["lam_identified"] = bool(np.linalg.norm(
+            optimize.approx_fprime(x[-1:], lambda u: residual(
+                np.append(x[:-1], u)))) > LAM_SEEN)
   return best
 
 
@@ -214,8 +238,9 @@ class Spectral:
       predictions' energy on the test tasks (``polynomial`` and each extra;
       cross terms make them sum to about, not exactly, 1).
     ladder: ``{rung: {"disagreement", "per_layer", params}}``: held-out ``D``
-      of ``gd``, ``gd_lam``, ``gd_schedule``, ``polynomial`` and
-      ``polynomial+extras``.
+      of each rung of :data:`RUNGS` (the GD rungs with ``eta``, ``lam``,
+      ``steps``: GD's step count after each layer, and ``per_layer_steps``:
+      its steps per layer, ``None`` if not constant).
     max_residual: ``[layers]``: ``max |r_l|`` over the test tasks'
       eigenvalues.
     chebyshev_optimum: ``[layers]``: ``1 / T_m((b + a) / (b - a))``, the
@@ -352,11 +377,12 @@ def spectral(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
     raise ValueError(f"{fn}: extras must be distinct names of {EXTRAS}, got "
                      f"{extras!r}.")
   lam = float(lam)
-  rows = jax.jit(lambda t: _fitting._model_rows(fn, model, t))
-  target = _fitting._finite_rows(fn, "fit_tasks", rows(fit_tasks)).astype(
-      np.float64)
-  held = _fitting._finite_rows(fn, "test_tasks", rows(test_tasks)).astype(
-      np.float64)
+  # One compilation of the model for both task sets.
+  rows = jax.jit(lambda a, b: (_fitting._model_rows(fn, model, a),
+                               _fitting._model_rows(fn, model, b)))
+  target, held = rows(fit_tasks, test_tasks)
+  target = _fitting._finite_rows(fn, "fit_tasks", target).astype(np.float64)
+  held = _fitting._finite_rows(fn, "test_tasks", held).astype(np.float64)
   fit, test = _data(fit_tasks), _data(test_tasks)
   lo, hi = float(np.min(fit.evals)), float(np.max(fit.evals))
   if not hi > lo:
@@ -386,16 +412,15 @@ def spectral(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
   shares = {name: (np.mean(np.einsum("bqp,sp->sbq", f_test[..., cols],
                                      coef[:, cols]) ** 2, axis=(1, 2))
                    / energy).tolist() for name, cols in groups}
-  for rung, free_lam in (("gd", False), ("gd_lam", True)):
-    found = _fit_gd(fit, target, lam, hi, free_lam=free_lam)
-    ladder[rung] = _rung(test, held, found, layers)
+  for rung in ("gd", "gd_doubling", "gd_lam"):
+    found = _fit_gd(fit, target, lam, hi, counts=_step_counts(rung, layers),
+                    free_lam=rung == "gd_lam")
+    ladder[rung] = _rung(test, held, found)
   constant = ladder["gd"]
-  found = _fit_gd(fit, target, lam, hi, free_lam=False, schedule=np.full(
-      layers * constant["per_layer_steps"], constant["eta"][0]))
-  ladder["gd_schedule"] = _rung(test, held, found, layers)
-  ladder = {k: ladder[k] for k in ("gd", "gd_lam", "gd_schedule",
-                                   "polynomial", "polynomial+extras")
-            if k in ladder}
+  found = _fit_gd(fit, target, lam, hi, counts=[constant["steps"]],
+                  schedule=np.full(constant["steps"][-1], constant["eta"][0]))
+  ladder["gd_schedule"] = _rung(test, held, found)
+  ladder = {k: ladder[k] for k in RUNGS if k in ladder}
   full = ladder["polynomial+extras" if extras else "polynomial"]
   out = Spectral(coef, degree, tuple(extras), lo, hi, lam,
                  full["disagreement"], full["per_layer"], shares, ladder,
@@ -408,11 +433,15 @@ def spectral(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
                              chebyshev_optimum=optimum)
 
 
-def _rung(test: _Data, held: np.ndarray, found: dict, layers: int) -> dict:
-  pred = _gd_rows(test, found["eta"] if found["eta"].size > 1 else np.full(
-      found["per_layer"] * layers, found["eta"][0]), found["lam"],
-                  found["per_layer"], layers)
-  d, per_layer = _disagreement(pred, held)
-  return {"disagreement": d, "per_layer": per_layer,
-          "eta": found["eta"], "lam": found["lam"],
-          "per_layer_steps": found["per_layer"]}
+def _rung(test: _Data, held: np.ndarray, found: dict) -> dict:
+  steps = found["steps"]
+  etas = (found["eta"] if found["eta"].size > 1
+          else np.full(steps[-1], found["eta"][0]))
+  d, per_layer = _disagreement(_gd_rows(test, etas, found["lam"], steps), held)
+  uniform = len(set(np.diff((0,) + steps))) == 1
+  out = {"disagreement": d, "per_layer": per_layer,
+         "eta": found["eta"], "lam": found["lam"], "steps": list(steps),
+         "per_layer_steps": steps[0] if uniform else None}
+  if "lam_identified" in found:
+    out["lam_identified"] = found["lam_identified"]
+  return out

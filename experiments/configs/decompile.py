@@ -45,7 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.tol = 1e-3
   config.iterations = (1, 2)
   config.restarts = 4
-  config.adam_steps = 100
+  config.adam_steps = 0
   config.lm_steps = 20
   # The similarity map holds every layer against GD steps 0..this, at the
   # train run's validation-chosen step size.
@@ -67,7 +67,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.n_test = 64
     config.families = ("gd", "gd_schedule", "heavy_ball")
     config.restarts = 2
-    config.adam_steps = 50
     config.lm_steps = 10
     config.similarity_steps = 4
     config.spectral_n_fit = 256
