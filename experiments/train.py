@@ -1140,7 +1140,7 @@ def family_table(results: dict, *, scale: float = 1.0) -> str:
   """A family run's ``results.json`` as Markdown: per model and GD and
   depth ``mean / median (mean paired difference to the best reference ±
   its se)``, with ``[worst 1%: S]`` where the worst 1% of prompts make
-  more than a tenth of the mean; the references (each at every depth) and
+  more than half of the mean; the references (each at every depth) and
   the paired model-to-model differences ``mean ± se (median)``. Every
   loss times ``scale`` (``1 / d``: Garg et al.'s normalisation)."""
   depths, best = results["depths"], results["best_reference"]
@@ -1155,7 +1155,7 @@ def family_table(results: dict, *, scale: float = 1.0) -> str:
       text += (f" ({num(diff['mean'][i], '+.3g')} ± "
                f"{num(diff['se'][i], '.2g')})")
     share = results["test_loss_worst_share"][name][i]
-    if share is not None and share > 0.1:
+    if share is not None and share > 0.5:
       text += f" [worst 1%: {share:.0%}]"
     return text
 
