@@ -1,6 +1,6 @@
 r"""What the decompiler reports for the stacks of a tasks run (``train.py:tasks``).
 
-python -m experiments.decompile_tasks TASKS_WORKDIR [RUN ...]
+python -m experiments.decompile_tasks TASKS_WORKDIR [RUN ...] [--identify]
 
 For each run of the workdir (default: every run it holds; ``RUN`` names
 some), each trained model and depth, read back from its checkpoint
@@ -10,7 +10,8 @@ prompts (fit and held-out sets from their own keys, float64), with the
 extra terms that matter there:
 
 * ``start`` on ``nonzero_mean``: ``x_q^T S(A)`` with ``S(lambda) = sum_k
-  c_k T_k(lambda)``, ``c_k [d]`` fitted; GD from ``w0`` has ``S(A) = r(A)
+  c_k T_k(lambda)`` (Chebyshev polynomials on the fit spectrum's range),
+  ``c_k [d]`` fitted; GD from ``w0`` has ``S(A) = r(A)
   w0`` with ``r(0) = 1``, so ``S(0)`` is the start the stack behaves as if
   it began from. Printed: ``S(0)`` of the last layer, its cosine with the
   prior mean ``mu`` and its norm over ``|mu|``, and the start term's share
