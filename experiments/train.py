@@ -255,9 +255,7 @@ def _sharded_grid_steps(states, key_data, rest, *, graphdef, spec, tx,
   """
   split = lambda tree: jax.lax.with_sharding_constraint(
       tree, NamedSharding(mesh, PartitionSpec("grid")))
-  grid_steps = (training.train_grid_steps
-                if isinstance(spec, training.TaskSpec) else _family_grid_steps)
-  run = lambda state: grid_steps(
+  run = lambda state: training.train_grid_steps(
       state, jax.random.wrap_key_data(key_data), graphdef=graphdef,
       rest=rest, spec=spec, tx=tx, batch=batch, steps=steps,
       batch_sharding=NamedSharding(mesh, PartitionSpec("batch")))
@@ -524,10 +522,16 @@ def train_one(config, *, name: str, depth: int, wd: workdirs.Workdir,
   while step < config.steps:
     chunk = min(config.checkpoint_every, config.steps - step)
     tic = time.perf_counter()
-    grouped, chunk_losses = _sharded_grid_steps(
-        grouped, key_data, rest, graphdef=split.graphdef,
-        spec=_train_spec(config),
-        tx=tx, batch=config.batch, steps=chunk, mesh=mesh)
+    if config.task == DEFAULT_TASK:
+      grouped, chunk_losses = _sharded_grid_steps(
+          grouped, key_data, rest, graphdef=split.graphdef, spec=_spec(config),
+          tx=tx, batch=config.batch, steps=chunk, mesh=mesh)
+    else:
+      grouped, chunk_losses = _sharded_family_steps(
+          grouped, _family_batches(key_data, step, spec=_train_spec(config),
+                                   batch=config.batch, steps=chunk), rest,
+          graphdef=split.graphdef, form=_spec(config).model_tokens(), tx=tx,
+          mesh=mesh)
     losses[:, step:step + chunk] = np.reshape(chunk_losses, (-1, chunk))
     if step > (start or 0):  # the first chunk of a process compiles
       timed_steps += chunk
@@ -819,6 +823,9 @@ def _run(config: ml_collections.ConfigDict, wd: workdirs.Workdir, mesh,
   _track_evaluation(config, results, tracker)
   _write_figures(results, wd)
   wd.write_json("results.json", results)
+  if not ridge_task:
+    logging.info("%s (mean / median (minus %s ± se)):\n%s", config.task,
+                 results["best_reference"], family_table(results))
   for i, depth in enumerate(config.depths):
     # A model whose whole grid diverged has no test loss (None).
     logging.info("L=%d: %s", depth, ", ".join(
@@ -855,6 +862,19 @@ def _track_evaluation(config, results: dict, tracker: tracking.Tracker
 # ``elsa.algorithms.ridge_gd_from`` (the biases write ``mu``; ``L`` GD steps
 # take ``L + 2`` layers: set-up, ``L`` steps, read-out). The ridge task's
 # own fields (``noise``, ``x_scale``, ``x_dist``, ``shifts``) are not read.
+
+
+# The paired model-to-model differences ``a - b`` of a family's results,
+# where both ran: trained ELSA (with the key mask, and the paper's without)
+# against the field's masked LSA with a residual and against each other,
+# and every trained model against the compiled GD-from-mu stack
+# (nonzero_mean).
+FAMILY_PAIRS = (("elsa_masked", "lsa_residual_trained"),
+                ("elsa_trained", "lsa_residual_trained"),
+                ("elsa_masked", "elsa_trained"),
+                ("elsa_masked", "gd_from_mu_compiled"),
+                ("elsa_trained", "gd_from_mu_compiled"),
+                ("lsa_residual_trained", "gd_from_mu_compiled"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -910,26 +930,46 @@ def _check_task(config) -> None:
     raise checks.ConfigError(f"config.task_options: {err}") from None
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "tx", "batch",
-                                             "steps", "batch_sharding"))
-def _family_grid_steps(states, key, *, graphdef, rest, spec: FamilySpec, tx,
-                       batch: int, steps: int, batch_sharding=None):
-  """``training.train_grid_steps`` on a family's prompts: step ``s`` draws
-  from ``fold_in(key, s)`` (a resumed run sees the same batches), every grid
-  point takes its step on the same batch."""
-  form = spec.model_tokens()
-  dtype = jax.tree.leaves(states.params)[0].dtype
+@functools.partial(jax.jit, static_argnames=("spec", "batch", "steps"))
+def _family_batches(key_data, start, *, spec: FamilySpec, batch: int,
+                    steps: int) -> ridge.Task:
+  """The training batches of steps ``start .. start + steps - 1``, stacked:
+  fields ``[steps, batch, ...]``; step ``s`` draws from ``fold_in(key, s)``
+  (a resumed run sees the same batches).
 
-  def body(states, _):
-    task = spec.sample(jax.random.fold_in(key, states.step[0]), batch=batch,
-                       dtype=dtype)
-    if batch_sharding is not None:
+  Drawn apart from the training step so that one compiled training program
+  serves every family of the same sizes (``:tasks`` runs eleven families in
+  one process; the training scan's compilation, not its steps, was most of
+  each run's time)."""
+  key = jax.random.wrap_key_data(key_data)
+  return jax.vmap(lambda s: spec.sample(jax.random.fold_in(key, s),
+                                        batch=batch, dtype=DTYPE))(
+                                            start + jnp.arange(steps))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "form", "tx", "mesh"),
+                   donate_argnames=("states",))
+def _sharded_family_steps(states, batches, rest, *, graphdef, form, tx, mesh):
+  """:func:`_sharded_grid_steps` on given batches (:func:`_family_batches`):
+  step ``s`` of the chunk takes ``batches[s]``, every grid point on the same
+  batch, each batch split over the mesh's ``batch`` axis. Returns the states
+  and losses ``[groups, G / groups, steps]``, replicated."""
+  split = lambda tree: jax.lax.with_sharding_constraint(
+      tree, NamedSharding(mesh, PartitionSpec("grid")))
+  batch_sharding = NamedSharding(mesh, PartitionSpec("batch"))
+
+  def run(states):
+    def body(states, task):
       task = jax.lax.with_sharding_constraint(task, batch_sharding)
-    return jax.lax.map(lambda state: training.train_step_on_batch(
-        state, task, graphdef=graphdef, rest=rest, form=form, tx=tx), states)
+      return jax.lax.map(lambda state: training.train_step_on_batch(
+          state, task, graphdef=graphdef, rest=rest, form=form, tx=tx),
+                         states)
+    states, losses = jax.lax.scan(body, states, batches)
+    return states, losses.T
 
-  states, losses = jax.lax.scan(body, states, None, length=steps)
-  return states, losses.T
+  out = jax.vmap(run, spmd_axis_name="grid")(split(states))
+  return jax.lax.with_sharding_constraint(
+      out, NamedSharding(mesh, PartitionSpec()))
 
 
 def gd_from_predict(task, *, w0, lam, eta, steps: int):
@@ -982,13 +1022,16 @@ def _evaluate_family(config, trained: dict, etas: dict[int, float], val_task
                      ) -> dict[str, Any]:
   """Every model, reference and GD on the family's test prompts.
 
-  ``test_loss``/``test_loss_se``: per depth, each model, ``gd_best_eta``
-  (from zero), on ``nonzero_mean`` ``gd_from_mu`` and
-  ``gd_from_mu_compiled`` (at their own validation-chosen step size), and
-  every reference (the same value at every depth), ``zero``.
-  ``vs_best_reference``: per model and depth, the paired per-prompt
-  difference to ``best_reference``: ``bayes`` where the family has one,
-  else the reference of lowest test MSE.
+  Per name and depth (:func:`loss_summary` of the per-prompt MSE):
+  ``test_loss`` (mean), ``test_loss_se``, ``test_loss_median`` and
+  ``test_loss_worst_share``, for each model, ``gd_best_eta`` (from zero),
+  on ``nonzero_mean`` ``gd_from_mu`` and ``gd_from_mu_compiled`` (at their
+  own validation-chosen step size), and every reference (the same value at
+  every depth) and ``zero``. Paired per-prompt differences
+  (:func:`paired_summary`: mean, se, median per depth):
+  ``vs_best_reference[name]``, each name minus ``best_reference``
+  (``bayes`` where the family has one, else the reference of lowest test
+  MSE); ``paired["a - b"]`` for the pairs of :data:`FAMILY_PAIRS` that ran.
   """
   spec = _train_spec(config)
   family, form = spec.family, spec.model_tokens()
@@ -1034,27 +1077,108 @@ def _evaluate_family(config, trained: dict, etas: dict[int, float], val_task
     best = "bayes"
   else:
     best = min((n for n in refs if n != "zero"), key=lambda n: refs[n].mean())
+  for name, per in refs.items():  # a reference is the same at every depth
+    losses[name] = {depth: per for depth in config.depths}
+  for name in config.models:  # diverged at every depth: NaN (null in JSON)
+    losses.setdefault(name, {})
   names = [*config.models, *(n for n in losses if n not in config.models)]
   out = {"task": config.task, "task_options": family.options(),
          "references": list(refs), "best_reference": best,
-         "test_loss": {}, "test_loss_se": {}, "vs_best_reference": {},
          "gd_from_mu_eta": (None if mu_etas is None else
                             [mu_etas[d] for d in config.depths])}
-  for name in names:
-    stats = [_stats(losses[name][d]) if d in losses.get(name, {}) else None
-             for d in config.depths]
-    out["test_loss"][name] = [s["mean"] if s else np.nan for s in stats]
-    out["test_loss_se"][name] = [s["se"] if s else np.nan for s in stats]
-    diffs = [_stats(losses[name][d] - refs[best])
-             if d in losses.get(name, {}) else {"mean": np.nan, "se": np.nan}
-             for d in config.depths]
-    out["vs_best_reference"][name] = {"mean": [x["mean"] for x in diffs],
-                                      "se": [x["se"] for x in diffs]}
-  for name, per in refs.items():
-    stats = _stats(per)
-    out["test_loss"][name] = [stats["mean"]] * len(config.depths)
-    out["test_loss_se"][name] = [stats["se"]] * len(config.depths)
+  by_depth = lambda stats: {key: [s[key] for s in stats] for key in stats[0]}
+  missing = lambda keys: dict.fromkeys(keys, np.nan)
+  summaries = {name: by_depth([
+      loss_summary(losses[name][d]) if d in losses[name]
+      else missing(("mean", "se", "median", "worst_share"))
+      for d in config.depths]) for name in names}
+  for key, field in (("mean", "test_loss"), ("se", "test_loss_se"),
+                     ("median", "test_loss_median"),
+                     ("worst_share", "test_loss_worst_share")):
+    out[field] = {name: summaries[name][key] for name in names}
+
+  def paired(a: str, b: str) -> dict[str, list[float]]:
+    return by_depth([
+        paired_summary(losses[a][d], losses[b][d])
+        if d in losses[a] and d in losses[b]
+        else missing(("mean", "se", "median")) for d in config.depths])
+  out["vs_best_reference"] = {name: paired(name, best) for name in names
+                              if name != best}
+  out["paired"] = {f"{a} - {b}": paired(a, b) for a, b in FAMILY_PAIRS
+                   if a in losses and b in losses}
   return out
+
+
+def loss_summary(per_task, *, worst: float = 0.01) -> dict[str, float]:
+  """What the mean of per-prompt losses hides: ``mean``, its standard error
+  ``se``, the ``median``, and ``worst_share``, the share of the total from
+  the ``ceil(worst * n)`` largest losses (at 1%: 0.08 for the squared
+  error of a Gaussian prediction error, 1 when one prompt is the mean).
+
+  Args:
+    per_task: ``[n]`` losses, ``n >= 2``.
+  """
+  per_task = np.asarray(per_task, np.float64)
+  top = np.sort(per_task)[-max(1, math.ceil(worst * per_task.size)):]
+  total = per_task.sum()
+  return {"mean": float(per_task.mean()),
+          "se": float(per_task.std(ddof=1) / np.sqrt(per_task.size)),
+          "median": float(np.median(per_task)),
+          "worst_share": float(top.sum() / total) if total > 0 else np.nan}
+
+
+def paired_summary(a, b) -> dict[str, float]:
+  """The paired per-prompt difference ``a - b`` of two predictors' losses
+  on the same prompts (``[n]`` each): its ``mean``, standard error ``se``
+  and ``median``. Pairing removes the prompts' shared difficulty: the
+  ``se`` is that of the differences, usually far below either loss's."""
+  diff = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+  return {"mean": float(diff.mean()),
+          "se": float(diff.std(ddof=1) / np.sqrt(diff.size)),
+          "median": float(np.median(diff))}
+
+
+def family_table(results: dict, *, scale: float = 1.0) -> str:
+  """A family run's ``results.json`` as Markdown: per model and GD and
+  depth ``mean / median (mean paired difference to the best reference ±
+  its se)``, with ``[worst 1%: S]`` where the worst 1% of prompts make
+  more than half of the mean; the references (each at every depth) and
+  the paired model-to-model differences ``mean ± se (median)``. Every
+  loss times ``scale`` (``1 / d``: Garg et al.'s normalisation)."""
+  depths, best = results["depths"], results["best_reference"]
+  num = lambda v, fmt: "—" if v is None or not np.isfinite(v) else format(
+      v * scale, fmt)
+
+  def cell(name: str, i: int) -> str:
+    text = (f"{num(results['test_loss'][name][i], '.4g')} / "
+            f"{num(results['test_loss_median'][name][i], '.3g')}")
+    if name != best:
+      diff = results["vs_best_reference"][name]
+      text += (f" ({num(diff['mean'][i], '+.3g')} ± "
+               f"{num(diff['se'][i], '.2g')})")
+    share = results["test_loss_worst_share"][name][i]
+    if share is not None and share > 0.5:
+      text += f" [worst 1%: {share:.0%}]"
+    return text
+
+  head = "| | " + " | ".join(f"L = {d}" for d in depths) + " |"
+  lines = [head, "|---" * (len(depths) + 1) + "|"]
+  for name in results["test_loss"]:
+    if name not in results["references"]:
+      lines.append(f"| {name} | " + " | ".join(
+          cell(name, i) for i in range(len(depths))) + " |")
+  lines.append("")
+  lines.append(f"References (mean / median, minus {best} ± se): " + "; ".join(
+      f"{name} {cell(name, 0)}" for name in results["references"]) + ".")
+  if results.get("paired"):
+    lines += ["", "| paired difference | " + " | ".join(
+        f"L = {d}" for d in depths) + " |", "|---" * (len(depths) + 1) + "|"]
+    for pair, diff in results["paired"].items():
+      lines.append(f"| {pair} | " + " | ".join(
+          f"{num(diff['mean'][i], '+.3g')} ± {num(diff['se'][i], '.2g')} "
+          f"({num(diff['median'][i], '+.3g')})" for i in range(len(depths)))
+                   + " |")
+  return "\n".join(lines)
 
 
 def _family_figure(results: dict):

@@ -11,6 +11,7 @@ import pytest
 
 from elsa import algorithms, programs, ridge, tasks
 from experiments import checks
+from experiments import decompile_tasks
 from experiments import train
 from experiments import workdirs
 from experiments.configs import train as train_config
@@ -100,6 +101,16 @@ def test_driver_trains_and_evaluates_families(tmp_path):
   for name, diff in res["vs_best_reference"].items():
     assert all(m > -2 * s for m, s in zip(diff["mean"], diff["se"])), name
   assert se["bayes"][0] > 0
+  # Medians and tails beside the means; every reference paired with Bayes;
+  # a paired mean is the difference of the means (the same prompts).
+  for field in ("test_loss_median", "test_loss_worst_share"):
+    assert set(res[field]) == set(losses), field
+  assert "least_squares" in res["vs_best_reference"]
+  diff = res["paired"]["elsa_masked - gd_from_mu_compiled"]
+  np.testing.assert_allclose(diff["mean"], np.subtract(
+      losses["elsa_masked"], losses["gd_from_mu_compiled"]), rtol=1e-9)
+  assert set(res["paired"]) == {"elsa_masked - gd_from_mu_compiled"}
+  assert "| elsa_masked - gd_from_mu_compiled |" in train.family_table(res)
   assert os.path.exists(tmp_path / "nonzero_mean" / "figures" /
                         "test_loss_vs_depth.png")
   tree = out["decision_tree"]
@@ -110,6 +121,16 @@ def test_driver_trains_and_evaluates_families(tmp_path):
   # A rerun finds the results and trains nothing.
   again = train.run(config, str(tmp_path))
   assert again == out
+  # The decompiler reads the run's models back; on the compiled GD-from-mu
+  # stack (GD from w0 = mu: x_q^T ((I - eta A)^L mu + g(A) b)) the start
+  # term at A = 0 is mu itself.
+  rows = decompile_tasks.decompile_run(str(tmp_path / "nonzero_mean"))
+  assert [(r["name"], r["depth"]) for r in rows] == [
+      ("elsa_masked", 1), ("gd_from_mu_compiled", 1)]
+  control = rows[1]["spectral"]
+  assert control.disagreement < 1e-12, control.disagreement
+  np.testing.assert_allclose(rows[1]["start"][-1], np.ones(2), rtol=1e-8)
+  assert 0 < rows[0]["spectral"].shares["start"][-1]
 
 
 @pytest.mark.parametrize("change,message", [
@@ -147,3 +168,25 @@ def test_tasks_variant_runs_every_family():
   # The default run is today's ridge task.
   default = train_config.get_config()
   assert default.task == "ridge" and not default.task_runs
+
+
+def test_loss_and_paired_summaries_known_answers():
+  # Mean, its standard error, median and the worst 1%'s share of the total.
+  s = train.loss_summary([1.0, 2.0, 3.0, 4.0, 100.0])
+  assert s == pytest.approx({"mean": 22.0, "se": np.sqrt(7610 / 4 / 5),
+                             "median": 3.0, "worst_share": 100 / 110},
+                            rel=1e-12)
+  # 1% of 200 prompts is the two worst: half of this mean.
+  s = train.loss_summary([1.0] * 198 + [99.0, 101.0])
+  assert s["worst_share"] == pytest.approx(200 / 398, rel=1e-12)
+  assert s["median"] == 1.0
+  # Paired: the statistics of a - b, prompt by prompt.
+  s = train.paired_summary([1.0, 2.0, 3.0, 10.0], [0.0, 0.0, 6.0, 10.0])
+  assert s == pytest.approx({"mean": 0.0, "se": np.sqrt(14 / 3 / 4),
+                             "median": 0.5}, abs=1e-12)
+  # Pairing removes the prompts' shared difficulty.
+  base = np.arange(1.0, 101.0) ** 2
+  s = train.paired_summary(base + 0.1 * (-1.0) ** np.arange(100), base)
+  assert s["mean"] == pytest.approx(0.0, abs=1e-12)
+  assert s["se"] == pytest.approx(0.1 / np.sqrt(100) * np.sqrt(100 / 99),
+                                  rel=1e-9)

@@ -18,10 +18,11 @@ Variants (``--config=experiments/configs/train.py:NAME``):
   steps at 1e-3, weights tied across layers), LSA with the residual only,
   depths 1, 2, 3. Their loss is
   0.5 x MSE; results.json holds MSE (halve it to compare).
-* ``tasks``: every family of ``elsa.tasks`` (docs/guides/tasks.md), one run
-  per family in ``WORKDIR/<run>`` (``config.task_runs``),
-  d = 4, N = 8, 500 steps x batch 64 at one grid point: ``nonzero_mean``,
-  ``mixed_noise`` and ``anisotropic`` (kappa 10 and 100) with every model,
+* ``tasks``: every family of ``elsa.tasks`` (docs/guides/tasks.md), one
+  run per family in ``WORKDIR/<run>`` (``config.task_runs``),
+  d = 4, N = 8, 1000 steps x batch 64 at one grid point: ``nonzero_mean``,
+  ``mixed_noise`` and ``anisotropic`` (kappa 10 and 100, fixed basis and
+  re-rotated per prompt) with every model,
   the field's set (Garg et al.) with ELSA and the masked LSA + residual.
   ``python -m experiments.train --config=experiments/configs/train.py:tasks
   --workdir=runs/tasks``; one of its runs alone (the same run, so the
@@ -173,11 +174,11 @@ def _tasks_variant(config: ml_collections.ConfigDict, only: str | None
   config.n_train = 8
   config.d = 4
   config.lam = 0.0  # GD references on the least-squares loss
-  config.steps = 500
-  config.warmup_steps = 50
+  config.steps = 1000
+  config.warmup_steps = 100
   config.batch = 64
   config.log_every = 50
-  config.checkpoint_every = 250
+  config.checkpoint_every = 500
   # One grid point: 1e-2 diverged at depth 4 (anisotropic, masked ELSA).
   config.learning_rates = (5e-3,)
   config.init_scales = (0.03,)
@@ -196,6 +197,13 @@ def _tasks_variant(config: ml_collections.ConfigDict, only: str | None
                           "task_options": {"kappa": 10.0}},
       "anisotropic_k100": {"task": "anisotropic", "models": every,
                            "task_options": {"kappa": 100.0}},
+      # A fresh basis per prompt: no fixed preconditioner can be learned.
+      "anisotropic_rotated_k10": {
+          "task": "anisotropic", "models": every,
+          "task_options": {"kappa": 10.0, "rotate": True}},
+      "anisotropic_rotated_k100": {
+          "task": "anisotropic", "models": every,
+          "task_options": {"kappa": 100.0, "rotate": True}},
   }
   for name in ("linear", "sparse_linear", "noisy_linear",
                "linear_classification", "quadratic", "relu_2nn",
