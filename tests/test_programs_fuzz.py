@@ -21,7 +21,6 @@ exact). Compile times over the same seeds: :func:`compile_times`.
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
