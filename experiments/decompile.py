@@ -87,44 +87,21 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      allow_empty=True)
 
 
-def _spec(config) -> training.TaskSpec:
-  t = config.train
-  return training.TaskSpec(n_train=t.n_train, d=t.d, n_query=t.n_query,
-                           lam=t.lam, noise=t.noise, x_scale=t.x_scale,
-                           x_dist=t.x_dist, tokens=t.tokens)
-
-
-def _sharded_tasks(config, salt: int, batch: int):
+def sharded_tasks(config, salt: int, batch: int):
   """Tasks of the training distribution (float64), sharded on the task axis."""
   key = jax.random.fold_in(jax.random.key(config.seed), salt)
-  task = training.sample_tasks(key, _spec(config), batch=batch,
-                               dtype=np.float64)
+  task = training.sample_tasks(key, train.task_spec(config.train),
+                               batch=batch, dtype=np.float64)
   mesh = Mesh(np.asarray(jax.local_devices()), ("tasks",))
   return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(
       mesh, PartitionSpec("tasks"))), task)
-
-
-def _trained(config, train_workdir: str, train_results: dict, name: str,
-             depth: int):
-  """The chosen grid point of ``name`` at ``depth`` from its last checkpoint
-  (``None`` if its whole grid diverged)."""
-  i = list(config.train.depths).index(depth)
-  choice = train_results["tuning"][name][i]
-  if choice["learning_rate"] is None:
-    return None
-  point = (choice["learning_rate"], choice["init_scale"])
-  index = train.grid(config.train).index(tuple(point))
-  split = train.load_trained(config.train, train_workdir, name=name,
-                             depth=depth)
-  params = jax.tree.map(lambda a: a[index], split.params)
-  return training.merge(split.graphdef, params, split.rest)
 
 
 def _one(config, model, depth: int, eta: float, fit_tasks, test_tasks,
          spectral_tasks) -> dict:
   """Decompiles one trained stack: the report, the spectral description,
   similarity, weight structure."""
-  spec = _spec(config)
+  spec = train.task_spec(config.train)
   predict = decompile.from_model(model, spec)
   tic = time.perf_counter()
   report = decompile.identify(
@@ -183,10 +160,10 @@ def _decompile_all(config, wd: workdirs.Workdir, train_workdir: str,
   the processes (the ``k``-th on process ``k mod P``), each result gathered
   on every process; process 0 writes the partial files (its own as soon as
   each is done, the others' as they arrive)."""
-  fit_tasks = _sharded_tasks(config, 1, config.n_fit)
-  test_tasks = _sharded_tasks(config, 2, config.n_test)
-  spectral_tasks = (_sharded_tasks(config, 3, config.spectral_n_fit),
-                    _sharded_tasks(config, 4, config.spectral_n_test))
+  fit_tasks = sharded_tasks(config, 1, config.n_fit)
+  test_tasks = sharded_tasks(config, 2, config.n_test)
+  spectral_tasks = (sharded_tasks(config, 3, config.spectral_n_fit),
+                    sharded_tasks(config, 4, config.spectral_n_test))
   names = list(config.models or config.train.models)
   depths = list(config.train.depths)
   jobs = [(name, i, depth) for name in names for i, depth in enumerate(depths)]
@@ -205,7 +182,8 @@ def _decompile_all(config, wd: workdirs.Workdir, train_workdir: str,
     def compute(name=name, i=i, depth=depth):
       logging.info("decompile: process %d decompiles %s L=%d", me, name,
                    depth)
-      model = _trained(config, train_workdir, train_results, name, depth)
+      model = train.trained_model(config.train, train_workdir,
+                                    train_results, name=name, depth=depth)
       return ({"depth": depth, "diverged": True} if model is None else
               _one(config, model, depth, train_results["gd_best_eta"][i],
                    fit_tasks, test_tasks, spectral_tasks))
@@ -213,9 +191,9 @@ def _decompile_all(config, wd: workdirs.Workdir, train_workdir: str,
     wd.write_json(f"partial_{name}_L{depth}.json", found)
     done[name, depth] = found
     progress.update()
-  out = {name: [workdirs.finite_or_none(done[name, depth]) for depth in depths]
-         for name in names}
-  return {"models": out, "depths": depths, "lam": _spec(config).lam,
+  out = {name: [workdirs.finite_or_none(done[name, depth])
+                for depth in depths] for name in names}
+  return {"models": out, "depths": depths, "lam": config.train.lam,
           "gd_best_eta": train_results["gd_best_eta"],
           "train_test_loss": {n: train_results["test_loss"][n] for n in names}}
 

@@ -30,20 +30,18 @@ family of :data:`IDENTIFY_FAMILIES`. Prints Markdown; writes nothing.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from numpy.polynomial import chebyshev
 
 from elsa import decompile
 from elsa import tasks as task_families
-from elsa import training
 from experiments import train
+from experiments import workdirs
 
 # The extra terms of elsa.decompile.spectral per family (the rest: none).
 FAMILY_EXTRAS = {"nonzero_mean": ("start",), "mixed_noise": ("y_energy",)}
@@ -52,14 +50,6 @@ IDENTIFY_FAMILIES = ("gd", "gd_schedule", "heavy_ball", "gd_plus_plus")
 DEGREE = 4       # the filter's degree K (r of K + 1)
 N_FIT = 512      # fit and held-out prompts
 N_TEST = 512
-
-
-def run_config(run_dir: str) -> ml_collections.ConfigDict:
-  """The config a finished run of the train driver wrote (its ``config.json``)."""
-  with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
-    fields = json.load(f)
-  fields.pop("_check", None)
-  return ml_collections.ConfigDict(fields)
 
 
 def learned_start(spec: decompile.Spectral, d: int) -> np.ndarray:
@@ -111,12 +101,10 @@ def decompile_run(run_dir: str, *, identify: bool = False) -> list[dict]:
   the :func:`learned_start` ``[layers, d]`` on ``nonzero_mean`` (else
   None), ``closest`` identify's closest family (with ``identify``) or None;
   a diverged model's ``spectral`` is None. Call under ``jax.enable_x64``."""
-  config = run_config(run_dir)
-  with open(os.path.join(run_dir, "results.json"), encoding="utf-8") as f:
-    results = json.load(f)
+  config, results = train.finished_run(run_dir)
   family = task_families.get(config.task, **dict(config.task_options))
   extras = FAMILY_EXTRAS.get(config.task, ())
-  spec = train._spec(config)  # pylint: disable=protected-access
+  spec = train.task_spec(config)
   keys = jax.random.split(jax.random.key(config.seed + 50_000))
   fit, test = (family.sample(k, batch=n, n_train=config.n_train, d=config.d,
                              n_query=config.n_query, dtype=jnp.float64)
@@ -139,19 +127,15 @@ def decompile_run(run_dir: str, *, identify: bool = False) -> list[dict]:
   for name in config.models:
     model_extras = extras + (("query_key",) if not train.MODELS[name][
         "context_only"] else ())
-    for i, depth in enumerate(config.depths):
-      tuning = results["tuning"][name][i]
-      if tuning["learning_rate"] is None:
-        rows.append({"name": name, "depth": depth, "spectral": None})
-        continue
-      split = train.load_trained(config, run_dir, name=name, depth=depth)
-      point = train.grid(config).index(
-          (tuning["learning_rate"], tuning["init_scale"]))
-      model = training.merge(*train._pick(split, point))  # pylint: disable=protected-access
-      rows.append(row(name, depth, decompile.from_model(model, spec),
+    for depth in config.depths:
+      model = train.trained_model(config, run_dir, results, name=name,
+                                  depth=depth)
+      rows.append({"name": name, "depth": depth, "spectral": None}
+                  if model is None else
+                  row(name, depth, decompile.from_model(model, spec),
                       model_extras))
   if mu is not None:  # the control: GD from mu, compiled, must read mu
-    compiled = train._compiled_gd_from(  # pylint: disable=protected-access
+    compiled = train.compiled_gd_from(
         config.n_train, config.d, config.n_query, tuple(mu.tolist()))
     for i, depth in enumerate(config.depths):
       rows.append(row("gd_from_mu_compiled", depth, decompile.from_compiled(
@@ -171,15 +155,18 @@ def main(argv: list[str]) -> None:
   if not runs:
     runs = sorted(r for r in os.listdir(workdir)
                   if os.path.exists(os.path.join(workdir, r, "results.json")))
-  with jax.enable_x64(True), jax.default_matmul_precision("highest"):
-    for run in runs:
-      config = run_config(os.path.join(workdir, run))
-      print(f"### {run} ({config.task}, {dict(config.task_options)})\n")
-      for row in decompile_run(os.path.join(workdir, run), identify=identify):
-        print(_describe(row) if row["spectral"] is not None else
-              f"- {row['name']} L={row['depth']}: diverged")
-      print()
-
+  try:
+    with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+      for run in runs:
+        rows = decompile_run(os.path.join(workdir, run), identify=identify)
+        config, _ = train.finished_run(os.path.join(workdir, run))
+        print(f"### {run} ({config.task}, {dict(config.task_options)})\n")
+        for row in rows:
+          print(_describe(row) if row["spectral"] is not None else
+                f"- {row['name']} L={row['depth']}: diverged")
+        print()
+  except workdirs.CorruptOutput as err:
+    raise SystemExit(f"decompile_tasks: {err}") from None
 
 if __name__ == "__main__":
   main(sys.argv[1:])

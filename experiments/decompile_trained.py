@@ -1,12 +1,14 @@
 """The spectral description of a train run's stacks, printed as polynomials and schedules.
 
-python -m experiments.decompile_trained TRAIN_WORKDIR [vonoswald]
+python -m experiments.decompile_trained TRAIN_WORKDIR [VARIANT]
 
-The tasks, degree and extras of the decompile driver's config (default or
-``vonoswald``); the models the train run chose on its validation tasks.
+The models, depths and tasks of the finished train run in ``TRAIN_WORKDIR``
+(its ``config.json``), each at the grid point it chose on its validation
+tasks; the spectral degree, extras and task counts of the decompile driver's
+config ``VARIANT`` (default, ``tiny`` or ``vonoswald``). Prints; writes
+nothing.
 """
 
-import json
 import sys
 
 import jax
@@ -14,21 +16,25 @@ import numpy as np
 
 from elsa import decompile
 from experiments import decompile as driver
+from experiments import train
+from experiments import workdirs
 from experiments.configs import decompile as decompile_config
 
 
 def main(train_workdir, variant=None):
   config = decompile_config.get_config(variant)
-  with open(f"{train_workdir}/results.json", encoding="utf-8") as f:
-    train_results = json.load(f)
-  spec = driver._spec(config)
+  try:
+    config.train, train_results = train.finished_run(train_workdir)
+  except workdirs.CorruptOutput as err:
+    raise SystemExit(f"decompile_trained: {err}") from None
+  spec = train.task_spec(config.train)
   with jax.enable_x64(True), jax.default_matmul_precision("highest"):
-    fit_tasks = driver._sharded_tasks(config, 3, config.spectral_n_fit)
-    test_tasks = driver._sharded_tasks(config, 4, config.spectral_n_test)
+    fit_tasks = driver.sharded_tasks(config, 3, config.spectral_n_fit)
+    test_tasks = driver.sharded_tasks(config, 4, config.spectral_n_test)
     for name in config.train.models:
       for depth in config.train.depths:
-        model = driver._trained(config, train_workdir, train_results, name,
-                                depth)
+        model = train.trained_model(config.train, train_workdir,
+                                    train_results, name=name, depth=depth)
         if model is None:
           print(f"{name} L={depth}: diverged")
           continue

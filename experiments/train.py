@@ -96,8 +96,9 @@ DTYPE = jnp.float32
 DEFAULT_TASK = "ridge"
 
 
-def _spec(config, **shift) -> training.TaskSpec:
-  """The config's tasks; a shift's ``x_scale`` multiplies the config's, its
+def task_spec(config, **shift) -> training.TaskSpec:
+  """The config's ridge tasks (what the models read, on any family: its
+  layout, ``lam`` and noise); a shift's ``x_scale`` multiplies the config's, its
   other fields replace the config's."""
   fields = {"x_dist": config.x_dist, **shift,
             "x_scale": config.x_scale * shift.get("x_scale", 1.0)}
@@ -185,7 +186,7 @@ def bytes_needed(config: ml_collections.ConfigDict) -> int:
   batch with every layer's state and projections (kept for the gradient);
   one evaluation chunk of every model with its input gradient; GD's
   step-size grid; the grid's parameters with Adam's moments; the losses."""
-  form = _spec(config).model_tokens()
+  form = task_spec(config).model_tokens()
   depth, k = max(config.depths), config.inner or form.n
   per_layer = config.components * (form.m * (form.n + 3 * k) + k * k)
   tasks = 3 * config.n_test * (config.n_train + config.n_query) * (config.d
@@ -524,13 +525,14 @@ def train_one(config, *, name: str, depth: int, wd: workdirs.Workdir,
     tic = time.perf_counter()
     if config.task == DEFAULT_TASK:
       grouped, chunk_losses = _sharded_grid_steps(
-          grouped, key_data, rest, graphdef=split.graphdef, spec=_spec(config),
-          tx=tx, batch=config.batch, steps=chunk, mesh=mesh)
+          grouped, key_data, rest, graphdef=split.graphdef,
+          spec=task_spec(config), tx=tx, batch=config.batch, steps=chunk,
+          mesh=mesh)
     else:
       grouped, chunk_losses = _sharded_family_steps(
           grouped, _family_batches(key_data, step, spec=_train_spec(config),
                                    batch=config.batch, steps=chunk), rest,
-          graphdef=split.graphdef, form=_spec(config).model_tokens(), tx=tx,
+          graphdef=split.graphdef, form=task_spec(config).model_tokens(), tx=tx,
           mesh=mesh)
     losses[:, step:step + chunk] = np.reshape(chunk_losses, (-1, chunk))
     if step > (start or 0):  # the first chunk of a process compiles
@@ -563,6 +565,43 @@ def _pick(split: training.Split, index: int) -> training.Split:
   return split._replace(params=jax.tree.map(lambda a: a[index], split.params))
 
 
+def finished_run(workdir: str) -> tuple[ml_collections.ConfigDict, dict]:
+  """``(config, results)`` of a finished run of this driver in ``workdir``:
+  its ``config.json`` and its ``results.json``, verified as that config's.
+  Reads only.
+
+  Raises:
+    workdirs.CorruptOutput: no finished run there (no config or no results),
+      or its files are damaged or of another config.
+  """
+  found = workdirs.read_json(os.path.join(workdir, "config.json"))
+  if not isinstance(found, dict):
+    raise workdirs.CorruptOutput(
+        f"{workdir!r} holds no config.json of a train run; run "
+        f"python -m experiments.train --workdir={workdir} (with its config) "
+        "first.")
+  config = ml_collections.ConfigDict(found)
+  results = workdirs.Workdir(workdir, config).read_json("results.json")
+  if results is None:
+    raise workdirs.CorruptOutput(
+        f"{workdir!r} holds no results.json: its train run has not finished; "
+        "rerun its train command there to resume it.")
+  return config, results
+
+
+def trained_model(config, workdir: str, results: dict, *, name: str,
+                  depth: int):
+  """The grid point chosen for ``name`` at ``depth`` in a finished run's
+  ``results`` (its ``tuning``), as one model from its last checkpoint
+  (:func:`load_trained`); ``None`` if its whole grid diverged."""
+  choice = results["tuning"][name][list(config.depths).index(depth)]
+  if choice["learning_rate"] is None:
+    return None
+  index = grid(config).index((choice["learning_rate"], choice["init_scale"]))
+  split = load_trained(config, workdir, name=name, depth=depth)
+  return training.merge(*_pick(split, index))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _grid_val_loss(params, rest, task, *, graphdef, spec):
   return jnp.mean(training.grid_loss(params, task, graphdef=graphdef,
@@ -574,8 +613,8 @@ def _select(config, split: training.Split, losses: np.ndarray, task
             ) -> dict[str, Any]:
   """The grid point with the lowest validation MSE among those that did not diverge."""
   val = np.asarray(_grid_val_loss(split.params, split.rest, task,
-                                  graphdef=split.graphdef, spec=_spec(config)),
-                   np.float64)
+                                  graphdef=split.graphdef,
+                                  spec=task_spec(config)), np.float64)
   diverged = ~np.isfinite(losses).all(axis=1) | ~np.isfinite(val)
   points = grid(config)
   chosen = None
@@ -603,7 +642,7 @@ def _depth_evaluator(config, trained: dict, eta: float, depth: int):
   shift: shifts change the tasks, not the token layout or the lambda; the
   Bayes predictor keeps the in-distribution prior.
   """
-  spec = _spec(config)
+  spec = task_spec(config)
   form = spec.model_tokens()
 
   def evaluate(task):
@@ -722,7 +761,7 @@ def _tasks(config, salt: int, **shift):
   key = jax.random.fold_in(jax.random.key(config.seed), salt)
   if config.task != DEFAULT_TASK:
     return _train_spec(config).sample(key, batch=config.n_test, dtype=DTYPE)
-  return training.sample_tasks(key, _spec(config, **shift),
+  return training.sample_tasks(key, task_spec(config, **shift),
                                batch=config.n_test, dtype=DTYPE)
 
 
@@ -803,7 +842,7 @@ def _run(config: ml_collections.ConfigDict, wd: workdirs.Workdir, mesh,
                  grid=[list(p) for p in points], tuning=tuning,
                  gd_best_eta=[etas[d] for d in config.depths],
                  gd_eta_grid=eta_curves,
-                 bayes_lam=(training.bayes_lam(_spec(config)) if ridge_task
+                 bayes_lam=(training.bayes_lam(task_spec(config)) if ridge_task
                             else None),
                  train_loss=train_loss, train_seconds=train_seconds,
                  ms_per_step=ms_per_step)
@@ -900,9 +939,9 @@ class FamilySpec:
 
 
 def _train_spec(config):
-  """What the models train on: the ridge :func:`_spec`, or a :class:`FamilySpec`."""
+  """What the models train on: the ridge :func:`task_spec`, or a :class:`FamilySpec`."""
   if config.task == DEFAULT_TASK:
-    return _spec(config)
+    return task_spec(config)
   return FamilySpec(task_families.get(config.task, **dict(config.task_options)),
                     n_train=config.n_train, d=config.d,
                     n_query=config.n_query, tokens=config.tokens)
@@ -980,7 +1019,7 @@ def gd_from_predict(task, *, w0, lam, eta, steps: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_gd_from(n_train: int, d: int, n_query: int, w0: tuple):
+def compiled_gd_from(n_train: int, d: int, n_query: int, w0: tuple):
   """The compiled GD-from-``w0`` program (:func:`elsa.algorithms.ridge_gd_from`)."""
   return programs.compile(algorithms.ridge_gd_from(
       n_train=n_train, d=d, n_query=n_query, w0=np.asarray(w0)))
@@ -993,7 +1032,7 @@ def compiled_gd_from_predict(task, *, w0, lam, eta, depth: int,
   every layer, ``[depth + 3, B, d]`` (input, set-up, ``depth`` steps,
   read-out)."""
   _, n_train, d = task.x.shape
-  compiled = _compiled_gd_from(n_train, d, task.x_query.shape[1],
+  compiled = compiled_gd_from(n_train, d, task.x_query.shape[1],
                                tuple(np.asarray(w0, np.float64).tolist()))
   h0 = compiled.encode(X=task.x, y=task.y[..., None], Xq=task.x_query)
   params = compiled.params(loops=depth, lam=jnp.asarray(lam, task.x.dtype),

@@ -1,16 +1,20 @@
 """experiments/decompile.py end to end on the tiny config (one model, two
 depths, a short training), in tmp_path: files, results, resume, skip."""
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from elsa import decompile as decompile_lib
 from experiments import checks
 from experiments import decompile
+from experiments import decompile_trained
 from experiments.configs import decompile as decompile_config
 import helpers
 from tests import multiprocess
@@ -157,6 +161,29 @@ def test_variants():
   assert decompile_config.get_config().train.models[-1] == "elsa_masked"
   with pytest.raises(ValueError, match="unknown argument 'huge'"):
     decompile_config.get_config("huge")
+
+
+def test_decompile_trained_reads_the_runs_stacks_as_the_driver(user_run,
+                                                                capsys):
+  """experiments/decompile_trained.py on the user run's train workdir (its
+  models and depths from the run's config.json): the same ladder as the
+  driver's spectral description of each stack (same tasks, same fit)."""
+  workdir, results = user_run
+  decompile_trained.main(os.path.join(workdir, "train"), "tiny")
+  printed = re.findall(r"## (\w+) L=(\d) +ladder (\{.*?\})",
+                       capsys.readouterr().out)
+  assert [(name, int(depth)) for name, depth, _ in printed] == [
+      ("lsa_residual_trained", 1), ("lsa_residual_trained", 2)]
+  for (_, _, ladder), want in zip(
+      printed, results["models"]["lsa_residual_trained"]):
+    ladder = ast.literal_eval(ladder)
+    assert tuple(ladder) == decompile_lib.RUNGS
+    for rung, found in ladder.items():
+      np.testing.assert_allclose(
+          float(found), want["spectral"]["ladder"][rung]["disagreement"],
+          rtol=1e-2)
+  with pytest.raises(SystemExit, match="holds no config.json of a train run"):
+    decompile_trained.main(workdir + "/train/checkpoints", "tiny")
 
 
 def _without_seconds(tree):

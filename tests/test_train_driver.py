@@ -182,7 +182,7 @@ def test_config_variants():
   assert (vo.d, vo.n_train, vo.n_query, vo.noise, vo.batch, vo.steps) == (
       10, 10, 1, 0.0, 2048, 5000)
   assert vo.tied and vo.models == ("lsa_residual_trained",)
-  spec = train._spec(vo)
+  spec = train.task_spec(vo)
   assert (spec.x_dist, spec.x_scale) == ("uniform", pytest.approx(12**-0.5))
   with pytest.raises(ValueError, match="unknown argument 'huge'"):
     train_config.get_config("huge")

@@ -131,6 +131,10 @@ def test_driver_trains_and_evaluates_families(tmp_path):
   assert control.disagreement < 1e-12, control.disagreement
   np.testing.assert_allclose(rows[1]["start"][-1], np.ones(2), rtol=1e-8)
   assert 0 < rows[0]["spectral"].shares["start"][-1]
+  line = decompile_tasks._describe(rows[1])  # pylint: disable=protected-access
+  assert "S(0) = [1.000, 1.000] (cosine with mu 1.000" in line, line
+  with pytest.raises(SystemExit, match="holds no config.json"):
+    decompile_tasks.main([str(tmp_path), "no_such_run"])
 
 
 @pytest.mark.parametrize("change,message", [
