@@ -1062,12 +1062,12 @@ def _evaluate_family(config, trained: dict, etas: dict[int, float], val_task
   """Every model, reference and GD on the family's test prompts.
 
   Per name and depth (:func:`loss_summary` of the per-prompt MSE):
-  ``test_loss`` (mean), ``test_loss_se``, ``test_loss_median`` and
-  ``test_loss_worst_share``, for each model, ``gd_best_eta`` (from zero),
-  on ``nonzero_mean`` ``gd_from_mu`` and ``gd_from_mu_compiled`` (at their
-  own validation-chosen step size), and every reference (the same value at
-  every depth) and ``zero``. Paired per-prompt differences
-  (:func:`paired_summary`: mean, se, median per depth):
+  ``test_loss`` (mean), ``test_loss_se``, ``test_loss_median``,
+  ``test_loss_median_se`` and ``test_loss_worst_share``, for each model,
+  ``gd_best_eta`` (from zero), on ``nonzero_mean`` ``gd_from_mu`` and
+  ``gd_from_mu_compiled`` (at their own validation-chosen step size), and
+  every reference (the same value at every depth) and ``zero``. Paired per-prompt differences
+  (:func:`paired_summary`: mean, se, median, median_se per depth):
   ``vs_best_reference[name]``, each name minus ``best_reference``
   (``bayes`` where the family has one, else the reference of lowest test
   MSE); ``paired["a - b"]`` for the pairs of :data:`FAMILY_PAIRS` that ran.
@@ -1129,10 +1129,11 @@ def _evaluate_family(config, trained: dict, etas: dict[int, float], val_task
   missing = lambda keys: dict.fromkeys(keys, np.nan)
   summaries = {name: by_depth([
       loss_summary(losses[name][d]) if d in losses[name]
-      else missing(("mean", "se", "median", "worst_share"))
+      else missing(("mean", "se", "median", "median_se", "worst_share"))
       for d in config.depths]) for name in names}
   for key, field in (("mean", "test_loss"), ("se", "test_loss_se"),
                      ("median", "test_loss_median"),
+                     ("median_se", "test_loss_median_se"),
                      ("worst_share", "test_loss_worst_share")):
     out[field] = {name: summaries[name][key] for name in names}
 
@@ -1140,7 +1141,8 @@ def _evaluate_family(config, trained: dict, etas: dict[int, float], val_task
     return by_depth([
         paired_summary(losses[a][d], losses[b][d])
         if d in losses[a] and d in losses[b]
-        else missing(("mean", "se", "median")) for d in config.depths])
+        else missing(("mean", "se", "median", "median_se"))
+        for d in config.depths])
   out["vs_best_reference"] = {name: paired(name, best) for name in names
                               if name != best}
   out["paired"] = {f"{a} - {b}": paired(a, b) for a, b in FAMILY_PAIRS
@@ -1148,11 +1150,24 @@ def _evaluate_family(config, trained: dict, etas: dict[int, float], val_task
   return out
 
 
+def median_se(x, *, z: float = 1.96) -> float:
+  """The standard error of the median of ``x [n]``, distribution-free: the
+  spread of the sample quantiles ``1/2 -+ z / (2 sqrt(n))`` over ``2 z``,
+  the density at the median estimated from the order statistics that bound
+  its ``z``-interval (Bloch & Gastwirth 1968). For ``n`` normal draws of
+  scale ``s``: ``sqrt(pi / 2) s / sqrt(n)``; no resampling, no seed."""
+  x = np.asarray(x, np.float64)
+  half = min(0.5, z / (2 * np.sqrt(x.size)))
+  lo, hi = np.quantile(x, [0.5 - half, 0.5 + half])
+  return float((hi - lo) / (2 * z))
+
+
 def loss_summary(per_task, *, worst: float = 0.01) -> dict[str, float]:
   """What the mean of per-prompt losses hides: ``mean``, its standard error
-  ``se``, the ``median``, and ``worst_share``, the share of the total from
-  the ``ceil(worst * n)`` largest losses (at 1%: 0.08 for the squared
-  error of a Gaussian prediction error, 1 when one prompt is the mean).
+  ``se``, the ``median`` and its ``median_se`` (:func:`median_se`), and
+  ``worst_share``, the share of the total from the ``ceil(worst * n)``
+  largest losses (at 1%: 0.08 for the squared error of a Gaussian
+  prediction error, 1 when one prompt is the mean).
 
   Args:
     per_task: ``[n]`` losses, ``n >= 2``.
@@ -1163,18 +1178,20 @@ def loss_summary(per_task, *, worst: float = 0.01) -> dict[str, float]:
   return {"mean": float(per_task.mean()),
           "se": float(per_task.std(ddof=1) / np.sqrt(per_task.size)),
           "median": float(np.median(per_task)),
+          "median_se": median_se(per_task),
           "worst_share": float(top.sum() / total) if total > 0 else np.nan}
 
 
 def paired_summary(a, b) -> dict[str, float]:
   """The paired per-prompt difference ``a - b`` of two predictors' losses
-  on the same prompts (``[n]`` each): its ``mean``, standard error ``se``
-  and ``median``. Pairing removes the prompts' shared difficulty: the
-  ``se`` is that of the differences, usually far below either loss's."""
+  on the same prompts (``[n]`` each): its ``mean``, standard error ``se``,
+  ``median`` and ``median_se``. Pairing removes the prompts' shared
+  difficulty: the ``se`` is that of the differences, usually far below
+  either loss's."""
   diff = np.asarray(a, np.float64) - np.asarray(b, np.float64)
   return {"mean": float(diff.mean()),
           "se": float(diff.std(ddof=1) / np.sqrt(diff.size)),
-          "median": float(np.median(diff))}
+          "median": float(np.median(diff)), "median_se": median_se(diff)}
 
 
 def family_table(results: dict, *, scale: float = 1.0) -> str:
@@ -1182,7 +1199,7 @@ def family_table(results: dict, *, scale: float = 1.0) -> str:
   depth ``mean / median (mean paired difference to the best reference ±
   its se)``, with ``[worst 1%: S]`` where the worst 1% of prompts make
   more than half of the mean; the references (each at every depth) and
-  the paired model-to-model differences ``mean ± se (median)``. Every
+  the paired model-to-model differences ``mean ± se (median ± se)``. Every
   loss times ``scale`` (``1 / d``: Garg et al.'s normalisation)."""
   depths, best = results["depths"], results["best_reference"]
   num = lambda v, fmt: "—" if v is None or not np.isfinite(v) else format(
@@ -1215,7 +1232,8 @@ def family_table(results: dict, *, scale: float = 1.0) -> str:
     for pair, diff in results["paired"].items():
       lines.append(f"| {pair} | " + " | ".join(
           f"{num(diff['mean'][i], '+.3g')} ± {num(diff['se'][i], '.2g')} "
-          f"({num(diff['median'][i], '+.3g')})" for i in range(len(depths)))
+          f"({num(diff['median'][i], '+.3g')} ± "
+          f"{num(diff['median_se'][i], '.2g')})" for i in range(len(depths)))
                    + " |")
   return "\n".join(lines)
 
