@@ -20,10 +20,9 @@ Variants (``--config=experiments/configs/train.py:NAME``):
   0.5 x MSE; results.json holds MSE (halve it to compare).
 * ``tasks``: every family of ``elsa.tasks`` (docs/guides/tasks.md), one
   run per family in ``WORKDIR/<run>`` (``config.task_runs``),
-  d = 4, N = 8, 1000 steps x batch 64 at one grid point: ``nonzero_mean``,
-  ``mixed_noise`` and ``anisotropic`` (kappa 10 and 100, fixed basis and
-  re-rotated per prompt) with every model,
-  the field's set (Garg et al.) with ELSA and the masked LSA + residual.
+  d = 4, N = 8, 1000 steps x batch 64 at one grid point, every model:
+  ``nonzero_mean``, ``mixed_noise``, ``anisotropic`` (kappa 10 and 100,
+  fixed basis and re-rotated per prompt) and the field's set (Garg et al.).
   ``python -m experiments.train --config=experiments/configs/train.py:tasks
   --workdir=runs/tasks``; one of its runs alone (the same run, so the
   whole variant then skips it): ``:tasks.nonzero_mean``. Any family on any
@@ -189,7 +188,6 @@ def _tasks_variant(config: ml_collections.ConfigDict, only: str | None
   config.shifts = ml_collections.ConfigDict()
   every = ("elsa_trained", "elsa_masked", "lsa_trained",
            "lsa_residual_trained")
-  field = ("elsa_trained", "lsa_residual_trained")
   runs = {
       "nonzero_mean": {"task": "nonzero_mean", "models": every},
       "mixed_noise": {"task": "mixed_noise", "models": every},
@@ -208,7 +206,7 @@ def _tasks_variant(config: ml_collections.ConfigDict, only: str | None
   for name in ("linear", "sparse_linear", "noisy_linear",
                "linear_classification", "quadratic", "relu_2nn",
                "decision_tree"):
-    runs[name] = {"task": name, "models": field}
+    runs[name] = {"task": name, "models": every}
   # The scikit-learn networks take ~0.2 s a prompt: fewer test prompts.
   for name in ("quadratic", "relu_2nn"):
     runs[name]["n_test"] = 512
