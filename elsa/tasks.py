@@ -44,19 +44,19 @@ ReLU-network tasks):
 
 The baselines (Garg et al.'s name in their code, and where they run):
 
-=======================  ==================================================  ============================
-``least_squares``        ``x_q^T X^+ y``, minimum norm (``LeastSquaresModel``) every family
-``ridge``                ridge at ``ridge_lam``, library normalisation         every family
-``knn``                  mean label of the 3 nearest examples (``NNModel``)   every family
-``knn_distance``         the 3 nearest weighted by inverse distance           every family
-``averaging``            ``w = mean_i y_i x_i`` (``AveragingModel``)          every family
-``lasso_1`` ...          Lasso at 1, 0.1, 0.01, 0.001, 0.0001 (``LassoModel``) ``sparse_linear``
-``mlp_adam``             2-layer ReLU net, 100 Adam steps (``GDModel``)       ``quadratic``, ``relu_2nn`` (its width), ``decision_tree``
-``mlp_lbfgs``            the same network fitted by L-BFGS (scikit-learn)    ``quadratic``, ``relu_2nn``
-``tree``                 CART tree of the task's depth (``DecisionTreeModel``) ``decision_tree``
-``tree_unbounded``       CART tree without a depth limit                      ``decision_tree``
-``boosted_trees``        gradient boosting at XGBoost's defaults (``XGBoostModel``) ``decision_tree``
-=======================  ==================================================  ============================
+====================  ==============================================================  ====================
+``least_squares``     ``x_q^T X^+ y``, minimum norm (``LeastSquaresModel``)           every family
+``ridge``             ridge at ``ridge_lam``, library normalisation                   every family
+``knn``               mean label of the 3 nearest examples (``NNModel``)              every family
+``knn_distance``      the 3 nearest weighted by inverse distance                      every family
+``averaging``         ``w = mean_i y_i x_i`` (``AveragingModel``)                     every family
+``lasso_1`` ...       Lasso at 1, 0.1, 0.01, 0.001, 0.0001 (``LassoModel``)           ``sparse_linear``
+``mlp_adam``          2-layer ReLU net, 100 Adam steps (``GDModel``)                  ``quadratic``, ``relu_2nn`` (its width), ``decision_tree``
+``mlp_lbfgs``         the same network fitted by L-BFGS (scikit-learn)                ``quadratic``, ``relu_2nn``
+``tree``              CART tree of the task's depth (``DecisionTreeModel``)           ``decision_tree``
+``tree_unbounded``    CART tree without a depth limit                                 ``decision_tree``
+``boosted_trees``     gradient boosting at XGBoost's defaults (``XGBoostModel``)      ``decision_tree``
+====================  ==============================================================  ====================
 
 Every baseline but the scikit-learn ones (:data:`HOST_REFERENCES`: Lasso,
 ``mlp_lbfgs``, the trees; host-side, one prompt at a time, on concrete
