@@ -73,9 +73,11 @@ import jax.numpy as jnp
 from elsa import _validate, ridge, tasks
 from elsa.attention import Array
 
+#: The kinds of shift, one transform each (module doc).
 KINDS = ("standard", "random_quadrants", "opposite_quadrants",
          "orthogonal_train_test", "overlapping_train_test", "half_subspace",
          "skewed", "scale-x", "scale-y", "noisyLR")
+#: The families every shift applies to: labels ``x^T w + e``, ``e`` independent of ``x``.
 LINEAR_FAMILIES = ("linear", "noisy_linear", "sparse_linear", "nonzero_mean",
                    "mixed_noise", "anisotropic")
 _OPTIONS = {"half_subspace": {"basis_key": None},
@@ -115,6 +117,7 @@ def _suite() -> dict[str, Shift]:
   return {shift.name: shift for shift in suite}
 
 
+#: ``{name: Shift}``: Garg et al.'s suite (``build_evals``) and ``opposite_quadrants``.
 SHIFTS: dict[str, Shift] = _suite()
 
 
