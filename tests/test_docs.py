@@ -15,7 +15,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every public module and its page of the API reference (docs/api/).
-MODULES = ("attention", "constructions", "ridge", "tasks", "forms", "programs",
+MODULES = ("attention", "constructions", "ridge", "tasks", "shifts", "curriculum", "forms",
+           "programs",
            "algorithms", "nn", "training", "decompile")
 
 
