@@ -18,6 +18,9 @@ importable ``run(config, workdir, overwrite=...)``. This module guarantees:
   :class:`~experiments.workdirs.UnusableWorkdir`,
   :class:`~experiments.workdirs.CorruptOutput`) ends the program with one line
   ``<driver>: <why>``, without traceback; anything else keeps its traceback.
+* At the default verbosity the log holds the drivers' own lines: other
+  libraries' INFO (JAX's backend probe, orbax's checkpoint saves, optax's
+  notes) is left out; ``--verbosity=1`` shows it, warnings always show.
 * :class:`Progress` logs ``done/total``, rate and ETA at most every
   ``every_s`` seconds; work resumed from an earlier run counts as done, not
   in the rate.
@@ -26,6 +29,7 @@ importable ``run(config, workdir, overwrite=...)``. This module guarantees:
 from __future__ import annotations
 
 import contextlib
+import logging as std_logging
 import os
 import time
 from typing import Any, Iterator
@@ -130,6 +134,25 @@ def define_flags(config_name: str) -> None:
                     "(of any config) before running; other files stay.")
 
 
+_OWN_CODE = tuple(os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), package) + os.sep
+                  for package in ("experiments", "elsa"))
+
+
+def _own_or_loud(record) -> bool:
+  """A log record worth the default log: ours, a warning, or asked for."""
+  return (record.levelno > std_logging.INFO
+          or record.pathname.startswith(_OWN_CODE)
+          or logging.get_verbosity() > logging.INFO)
+
+
+def quiet_libraries() -> None:
+  """Keeps other libraries' INFO out of the default log (idempotent)."""
+  handler = logging.get_absl_handler()
+  if _own_or_loud not in handler.filters:
+    handler.addFilter(_own_or_loud)
+
+
 def run_main(argv, name: str, run, **kwargs):
   """Calls ``run(config, workdir, overwrite=..., **kwargs)`` from the flags.
 
@@ -138,6 +161,7 @@ def run_main(argv, name: str, run, **kwargs):
   """
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  quiet_libraries()
   config = flags.FLAGS.config
   try:
     return run(config, flags.FLAGS.workdir, overwrite=flags.FLAGS.overwrite,

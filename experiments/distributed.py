@@ -401,6 +401,7 @@ def run_main(argv, name: str, run, **kwargs):
   if not flags.FLAGS.distributed:
     return cli.run_main(argv, name, run, **kwargs)
   joined = _supervise(name)
+  cli.quiet_libraries()  # before the backends start: their probe is INFO
   jax.distributed.initialize(
       coordinator_address=flags.FLAGS.coordinator_address,
       num_processes=flags.FLAGS.num_processes,
