@@ -12,9 +12,12 @@ models Ahn et al.'s weight structure, and the fit-free spectral description
 (:func:`elsa.decompile.spectral`: each layer's filter, residual roots and
 the explained-share ladder).
 
-The train run: ``config.train_workdir`` (default ``<workdir>/train``);
-:func:`experiments.train.run` trains it first if it holds no results (and
-skips if it does; a different train config there is refused).
+The train run: ``config.train_workdir`` where given, else a finished run of
+``config.train`` at ``<workdir>/train`` or beside this workdir
+(``runs/train`` for ``--workdir=runs/decompile``), reused and said so in one
+line; with none, :func:`experiments.train.run` trains it at
+``<workdir>/train`` first (or at ``config.train_workdir``) and says why; a
+different train config there is refused.
 
 Workdir (claimed as every driver claims it,
 :func:`experiments.workdirs.claim_workdir`): ``config.json``,
@@ -324,7 +327,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     experiments.workdirs.CorruptOutput: a saved file is damaged or altered.
   """
   validate(config)
-  train_workdir = config.train_workdir or os.path.join(workdir, "train")
+  train_workdir, finished = _train_run(config, workdir)
   distributed.agree("validate", validate, config)
   # Before the claim: a refusal here writes nothing, so the command it asks
   # for (another train_workdir: another config) is not refused in turn.
@@ -338,21 +341,72 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     if done is not None:
       logging.info("%s: results of this config exist; nothing to do.", workdir)
       return done
-    train_results = train.run(config.train, train_workdir)
+    if finished is None:
+      logging.info("decompile: no finished train run of config.train at %r; "
+                   "training it there first.", train_workdir)
+      finished = train.run(config.train, train_workdir)
+    else:
+      logging.info("decompile: reusing the finished train run at %r.",
+                   train_workdir)
     with jax.enable_x64(True), jax.default_matmul_precision("highest"):
       results = workdirs.finite_or_none(_decompile_all(
-          config, wd, train_workdir, train_results))
+          config, wd, train_workdir, finished))
     _write_figures(results, wd)
     wd.write_json("results.json", results)  # last: its presence means done
   for name, per_depth in results["models"].items():
     for r in per_depth:
-      closest = r.get("closest") or {}
-      logging.info("%s L=%d: best %s (ties %s); closest %s (D %s, %s times "
-                   "nearer than %s, %s than gd)", name, r["depth"],
-                   r.get("best"), r.get("ties"), closest.get("family"),
-                   closest.get("disagreement"), closest.get("vs_runner_up"),
-                   closest.get("runner_up"), closest.get("vs_gd"))
+      logging.info("%s L=%d: %s", name, r["depth"], summary(r))
   return results
+
+
+def _train_run(config, workdir: str) -> tuple[str, dict | None]:
+  """The train run to decompile and its results, if it has finished.
+
+  ``config.train_workdir`` where given; otherwise the first of
+  ``<workdir>/train`` and ``<workdir>/../train`` (the train driver's own
+  workdir beside this one: ``runs/train`` for ``runs/decompile``) that holds
+  a finished run of ``config.train``, else ``<workdir>/train``, where the
+  driver trains it first.
+  """
+  if config.train_workdir:
+    candidates = [config.train_workdir]
+  else:
+    own = os.path.join(workdir, "train")
+    beside = os.path.join(os.path.dirname(os.path.abspath(workdir)), "train")
+    candidates = [own, beside]
+  wanted = checks.config_dict(config.train)
+  for candidate in candidates:
+    try:
+      found, results = train.finished_run(candidate)
+    except workdirs.CorruptOutput:
+      continue
+    if checks.config_dict(found) == wanted:
+      return candidate, results
+  return candidates[0], None
+
+
+def _figure(value) -> str:
+  """``value`` to 3 significant figures, for the log (the JSON keeps all)."""
+  return "n/a" if value is None else f"{value:.3g}"
+
+
+def summary(result: dict) -> str:
+  """One model and depth's answer in words, rounded: the simplest family
+  within tolerance (or none) and the closest, with how much nearer it is."""
+  best = result.get("best")
+  ties = result.get("ties") or []
+  head = (f"computes {best}" + (f" (as simple: {', '.join(ties)})" if ties
+                                else "")
+          if best else "no family within tolerance")
+  closest = result.get("closest") or {}
+  if not closest.get("family"):
+    return head
+  than_gd = ("" if closest["family"] == "gd" else
+             f", {_figure(closest.get('vs_gd'))}x nearer than gd")
+  return (f"{head}; closest {closest['family']} (held-out D "
+          f"{_figure(closest.get('disagreement'))}, "
+          f"{_figure(closest.get('vs_runner_up'))}x nearer than "
+          f"{closest.get('runner_up')}{than_gd})")
 
 
 def main(argv) -> None:

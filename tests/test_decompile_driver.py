@@ -67,7 +67,41 @@ def user_run(tmp_path_factory):
   with open(os.path.join(workdir, "results.json"), encoding="utf-8") as f:
     results = json.load(f)
   results.pop("_check")
+  with open(_log_path(workdir), "w", encoding="utf-8") as f:
+    f.write(proc.stderr)
   return workdir, results
+
+
+def _log_path(workdir: str) -> str:
+  return os.path.join(os.path.dirname(workdir), "stderr.txt")
+
+
+def test_tiny_run_says_it_trains_and_logs_a_page(user_run):
+  with open(_log_path(user_run[0]), encoding="utf-8") as f:
+    log = f.read()
+  assert "no finished train run of config.train" in log, log[-2000:]
+  assert len(log.splitlines()) <= 60, log[-3000:]
+  assert "xla_bridge" not in log and "Unable to initialize backend" not in log
+  summary = [line for line in log.splitlines() if "L=1: " in line][-1]
+  # Rounded for a reader (the JSON keeps every digit).
+  assert all(len(n.replace(".", "").lstrip("0")) <= 3
+             for n in re.findall(r"\d+\.\d+", summary.split("L=1: ")[1])), summary
+
+
+def test_a_finished_train_run_is_reused_not_retrained(user_run):
+  workdir, results = user_run
+  config = _config()
+  # Its own <workdir>/train, and the train run beside a decompile workdir.
+  for decompile_dir in (workdir, os.path.join(workdir, "decompile")):
+    found, train_results = decompile._train_run(config, decompile_dir)
+    assert found == os.path.join(workdir, "train")
+    assert train_results is not None
+  # Another train config there is not this run's: trained afresh elsewhere.
+  config.train.steps += 1
+  found, train_results = decompile._train_run(
+      config, os.path.join(workdir, "decompile"))
+  assert train_results is None
+  assert found == os.path.join(workdir, "decompile", "train")
 
 
 def _spy(monkeypatch):

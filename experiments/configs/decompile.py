@@ -1,15 +1,17 @@
 r"""python -m experiments.decompile --workdir=runs/decompile
 
 Decompiles the models a ``train`` run trained (``config.train``, the train
-driver's config; its workdir is ``config.train_workdir``, default
-``<workdir>/train``, trained first if it holds no results): every family of
+driver's config; its workdir is ``config.train_workdir``, or else a finished
+run of that config at ``<workdir>/train`` or beside ``<workdir>`` (``runs/train``
+for ``runs/decompile``), reused; with none, it is trained at
+``<workdir>/train`` first): every family of
 ``elsa.decompile.FAMILIES`` is fitted to every model at every depth and ranked
 on held-out tasks. The defaults are the settings of the figures in
 docs/guides/decompile.md.
 
 Variants (``--config=experiments/configs/decompile.py:NAME``):
 
-* ``tiny``: seconds after the tiny training (tests and Colab): three
+* ``tiny``: after ``train.py:tiny`` (tests and Colab; it reuses that run): three
   families, few tasks and optimiser steps.
 * ``vonoswald``: the models of ``train.py:vonoswald`` (von Oswald et al.'s
   setting, depths 1, 2, 3), reusing its workdir if
