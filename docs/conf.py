@@ -103,3 +103,25 @@ def _copy_notebooks():
 
 
 _copy_notebooks()
+
+
+def _init_signature(app, what, name, obj, options, signature, return_annotation):
+  """The signature of a class as its ``__init__`` declares it.
+
+  flax.nnx.Module's metaclass defines ``__call__``, so autodoc renders every
+  nnx class of elsa.nn as ``Elsa(*args, **kwargs)``; the arguments a user
+  passes are those of ``__init__``, read here without ``self``.
+  """
+  del app, name, options, return_annotation
+  if what != "class" or signature not in (None, "(*args, **kwargs)"):
+    return None
+  import inspect  # pylint: disable=import-outside-toplevel
+  init = obj.__dict__.get("__init__") or getattr(obj, "__init__", None)
+  if init is None or init is object.__init__:
+    return None
+  params = list(inspect.signature(init).parameters.values())[1:]
+  return str(inspect.Signature(params)), None
+
+
+def setup(app):
+  app.connect("autodoc-process-signature", _init_signature)

@@ -28,6 +28,7 @@ importable ``run(config, workdir, overwrite=...)``. This module guarantees:
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import logging as std_logging
 import os
@@ -90,7 +91,18 @@ def config_path(config_name: str) -> str:
 def _no_such_field(err: Exception, config_file: str) -> str:
   from ml_collections.config_flags import config_flags  # pylint: disable=g-import-not-at-top
   fields = config_flags.ConfigFileFlagParser("config").parse(config_file)
-  return (f"unknown config field {str(err).strip(chr(34))}; the config's "
+  # str() of a KeyError is the repr of its message (escaped quotes, a literal
+  # \n before ml_collections' "Did you mean"): the message itself, one line.
+  # ml_collections may hand on such a repr as an AttributeError's message, so
+  # the quoted form is unquoted until it is text.
+  message = str(err.args[0] if err.args else err).strip()
+  while len(message) > 1 and message[0] == message[-1] and message[0] in "'\"":
+    try:
+      message = str(ast.literal_eval(message)).strip()
+    except (ValueError, SyntaxError):
+      break
+  message = "; ".join(message.splitlines())
+  return (f"unknown config field {message}; the config's "
           f"fields are {', '.join(sorted(fields))}.")
 
 
