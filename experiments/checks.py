@@ -98,14 +98,18 @@ def check_items(config, field: str, *, integer: bool = False,
   :func:`check_float`. A repeat is refused: a grid axis lists each value once.
   """
   items = config[field]
+  forms = _tuple_forms(field, integer=integer, choices=choices)
   if not isinstance(items, (tuple, list)) or (not items and not allow_empty):
-    raise ConfigError(f"config.{field} must be a non-empty tuple, got "
-                      f"{items!r}.")
+    raise ConfigError(f"config.{field} must be a non-empty tuple ({forms}), "
+                      f"got {items!r}.")
   for i, item in enumerate(items):
     if choices is not None:
       if item not in choices:
         raise ConfigError(f"config.{field}[{i}] must be one of "
                           f"{list(choices)}, got {item!r}.")
+    elif isinstance(item, (str, bytes, bool, np.bool_, type(None))):
+      raise ConfigError(f"config.{field}[{i}] must be a number, got {item!r} "
+                        f"(a tuple of numbers: {forms}).")
     else:
       _check_number(f"{field}[{i}]", item, integer=integer, **number_range)
     if item in items[:i]:
@@ -113,6 +117,19 @@ def check_items(config, field: str, *, integer: bool = False,
                         f"[{list(items).index(item)}] ({item!r}); list each "
                         "value once.")
   return tuple(items)
+
+
+def _tuple_forms(field: str, *, integer: bool,
+                 choices: Sequence[str] | None) -> str:
+  """How a tuple field is written on the command line, one item or several:
+  ``--config.lams=0.1 or --config.lams='(0.1, 0.2)'``."""
+  if choices:
+    one, two = repr(choices[0]), repr(choices[min(1, len(choices) - 1)])
+  else:
+    one, two = ("1", "2") if integer else ("0.1", "0.2")
+  return (f"--config.{field}={one.strip(chr(39))} or "
+          f"--config.{field}=\"({one}, {two})\"" if choices else
+          f"--config.{field}={one} or --config.{field}='({one}, {two})'")
 
 
 # jax.random.key and numpy's generators take seeds up to this.

@@ -41,6 +41,7 @@ from numpy.polynomial import chebyshev
 from elsa import decompile
 from elsa import tasks as task_families
 from experiments import train
+from experiments import train_setup
 from experiments import workdirs
 
 # The extra terms of elsa.decompile.spectral per family (the rest: none).
@@ -102,7 +103,7 @@ def decompile_run(run_dir: str, *, identify: bool = False) -> list[dict]:
   None), ``closest`` identify's closest family (with ``identify``) or None;
   a diverged model's ``spectral`` is None. Call under ``jax.enable_x64``."""
   config, results = train.finished_run(run_dir)
-  family = task_families.get(config.task, **dict(config.task_options))
+  family = task_families.get(config.task, **train_setup.task_options(config))
   extras = FAMILY_EXTRAS.get(config.task, ())
   spec = train.task_spec(config)
   keys = jax.random.split(jax.random.key(config.seed + 50_000))
@@ -160,7 +161,7 @@ def main(argv: list[str]) -> None:
       for run in runs:
         rows = decompile_run(os.path.join(workdir, run), identify=identify)
         config, _ = train.finished_run(os.path.join(workdir, run))
-        print(f"### {run} ({config.task}, {dict(config.task_options)})\n")
+        print(f"### {run} ({config.task}, {train_setup.task_options(config)})\n")
         for row in rows:
           print(_describe(row) if row["spectral"] is not None else
                 f"- {row['name']} L={row['depth']}: diverged")

@@ -232,6 +232,44 @@ def shifted_test_loss(results: dict) -> Figure:
   return fig
 
 
+def family_test_loss(results: dict) -> Figure:
+  """A family run (``train.py`` with ``config.task`` a family of
+  :mod:`elsa.tasks`): test MSE against depth, models and GD with 95% bars,
+  every reference a horizontal line."""
+  fig = Figure(figsize=(6, 4), layout="constrained")
+  ax = fig.add_subplot()
+  depths = results["depths"]
+  styles = iter([(c, ls) for ls in ("--", "-.", ":") for c in (
+      "black", "grey", "tab:olive", "tab:cyan", "tab:brown", "tab:pink")])
+  for name, loss in results["test_loss"].items():
+    loss = np.asarray(loss, dtype=float)
+    if name in results["references"]:
+      color, linestyle = next(styles)
+      ax.axhline(loss[0], linestyle=linestyle, linewidth=1, color=color,
+                 label=name)
+      continue
+    ax.errorbar(depths, loss, yerr=1.96 * np.asarray(
+        results["test_loss_se"][name], dtype=float), marker="o", capsize=3,
+                label=name)
+  ax.set(xlabel="depth L", ylabel="test MSE", yscale="log", xticks=depths,
+         title=f"{results['task']}: test loss vs depth")
+  ax.legend(fontsize=7)
+  return fig
+
+
+def train_figures(results: dict) -> dict[str, Figure]:
+  """Every figure of a train run's ``results``, by file name (no suffix): a
+  family run's training and test loss, or the ridge run's five."""
+  if "task" in results:  # a family of elsa.tasks
+    return {"train_loss": train_loss(results),
+            "test_loss_vs_depth": family_test_loss(results)}
+  return {"train_loss": train_loss(results),
+          "test_loss_vs_depth": test_loss_vs_depth(results),
+          "trained_vs_gd": trained_vs_gd(results),
+          "layer_predictions": layer_predictions(results),
+          "shifted_test_loss": shifted_test_loss(results)}
+
+
 # Newton-Schulz against GD (experiments/newton.py).
 
 

@@ -21,7 +21,8 @@ def test_config_checks_name_the_field_and_the_range():
                                   low_open=True),
        r"config\.tol must be a finite number in \(0, 1\], got nan"),
       (lambda: checks.check_items(config, "lams"),
-       r"config\.lams must be a non-empty tuple, got \(\)"),
+       r"config\.lams must be a non-empty tuple \(--config\.lams=0\.1 or "
+       r"--config\.lams='\(0\.1, 0\.2\)'\), got \(\)\.$"),
       (lambda: checks.check_items(config, "etas", low=0, low_open=True),
        r"config\.etas\[1\] must be a finite number > 0, got -1\.0"),
       (lambda: checks.check_choice(config, "mode", ("a", "b")),
@@ -40,3 +41,21 @@ def test_config_checks_name_the_field_and_the_range():
       check()
   assert issubclass(checks.ConfigError, ValueError)
   assert checks.check_int(config, "depth") == 3
+
+
+def test_a_tuple_field_of_the_wrong_type_names_the_tuple_forms():
+  """What the command line gives for ``--config.lams=abc`` (a string where a
+  tuple belongs) or ``--config.etas='(0.1, "x")'``: the message shows both
+  ways to write the field."""
+  config = _config(lams="abc", etas=(0.1, "x"), forms=3)
+  for field, kwargs, message in [
+      ("lams", {}, r"^config\.lams must be a non-empty tuple \(--config\.lams"
+                   r"=0\.1 or --config\.lams='\(0\.1, 0\.2\)'\), got 'abc'\.$"),
+      ("etas", {}, r"^config\.etas\[1\] must be a number, got 'x' \(a tuple "
+                   r"of numbers: --config\.etas=0\.1 or "),
+      ("forms", {"choices": ("natural", "designed")},
+       r"--config\.forms=natural or --config\.forms=\"\('natural', "
+       r"'designed'\)\"\), got 3\.$")]:
+    with pytest.raises(checks.ConfigError, match=message) as err:
+      checks.check_items(config, field, **kwargs)
+    assert "\n" not in str(err.value) and "\\" not in str(err.value)

@@ -13,7 +13,10 @@ import pytest
 from experiments import checks
 from experiments import cli
 from experiments import decompile
+from experiments import evaluation
+from experiments import plotting
 from experiments import train
+from experiments import train_setup
 from experiments import workdirs
 from experiments.configs import decompile as decompile_config
 from experiments.configs import train as train_config
@@ -78,8 +81,8 @@ def _check_results(config, workdir: str, results: dict) -> None:
   # The residual LSA is the field's: only the examples enter its key/value
   # sums; ELSA and the plain LSA read every token.
   for name in MODELS:
-    model = train._init(config, name=name, depth=1, init_scale=0.03,
-                        dtype=jnp.float32)
+    model = train_setup.init_model(config, name=name, depth=1,
+                                   init_scale=0.03, dtype=jnp.float32)
     mask = getattr(model, "key_mask", None)
     if name in ("lsa_residual_trained", "elsa_masked"):
       np.testing.assert_array_equal(
@@ -177,7 +180,7 @@ def test_config_variants():
   tiny = train_config.get_config("tiny")
   assert tiny.depths == (1, 2) and tiny.steps == 200
   grid = train_config.get_config("grid")
-  assert len(train.grid(grid)) == 9
+  assert len(train_setup.grid(grid)) == 9
   vo = train_config.get_config("vonoswald")
   assert (vo.d, vo.n_train, vo.n_query, vo.noise, vo.batch, vo.steps) == (
       10, 10, 1, 0.0, 2048, 5000)
@@ -231,10 +234,11 @@ def _checkpoint_config(seed: int):
 def _train_only(monkeypatch):
   """train.run without the evaluation and figures (the checkpoints are the
   point here)."""
-  monkeypatch.setattr(train, "_evaluate_all", lambda config, trained, etas: {
+  monkeypatch.setattr(evaluation, "evaluate_ridge",
+                      lambda config, trained, etas: {
       "test_loss": {name: [1.0] * len(config.depths)
                     for name in (*config.models, "gd_best_eta")}})
-  monkeypatch.setattr(train, "_write_figures", lambda results, wd: None)
+  monkeypatch.setattr(plotting, "train_figures", lambda results: {})
 
 
 def test_a_foreign_or_damaged_checkpoint_is_refused_by_name(tmp_path,
@@ -430,7 +434,8 @@ def test_a_run_whose_every_grid_point_diverged_is_summarised(
   """CK8: learning rate 1e30: every point diverges; the run finishes and its
   summary line says so (it was a logging TypeError on None)."""
   _train_only(monkeypatch)
-  monkeypatch.setattr(train, "_evaluate_all", lambda config, trained, etas: {
+  monkeypatch.setattr(evaluation, "evaluate_ridge",
+                      lambda config, trained, etas: {
       "test_loss": {**{name: [1.0 if depth in trained[name] else np.nan
                               for depth in config.depths]
                        for name in config.models},

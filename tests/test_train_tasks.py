@@ -12,6 +12,9 @@ import pytest
 from elsa import algorithms, programs, ridge, tasks
 from experiments import checks
 from experiments import decompile_tasks
+from experiments import evaluation
+from experiments import loss_stats
+from experiments import tables
 from experiments import train
 from experiments import workdirs
 from experiments.configs import train as train_config
@@ -27,19 +30,19 @@ def test_compiled_gd_from_mu_is_ridge_gd_from_mu_at_every_layer(
   lam, eta = 0.1, 0.4
   want = ridge.gd(task.x, task.y, lam=lam, eta=eta, steps=depth,
                   w0=jnp.broadcast_to(mu, (4, d)))
-  ws = train.compiled_gd_from_predict(task, w0=mu, lam=lam, eta=eta,
+  ws = evaluation.compiled_gd_from_predict(task, w0=mu, lam=lam, eta=eta,
                                       depth=depth, return_all=True)
   # States: input, set-up (w = mu), depth steps, read-out (w unchanged).
   assert ws.shape == (depth + 3, 4, d)
   scale = np.abs(want).max()
   np.testing.assert_allclose(ws[1:depth + 2], want, rtol=0, atol=1e-10 * scale)
   np.testing.assert_allclose(ws[-1], want[-1], rtol=0, atol=1e-10 * scale)
-  pred = train.compiled_gd_from_predict(task, w0=mu, lam=lam, eta=eta,
+  pred = evaluation.compiled_gd_from_predict(task, w0=mu, lam=lam, eta=eta,
                                         depth=depth)
   np.testing.assert_allclose(
       pred, np.einsum("bqd,bd->bq", task.x_query, want[-1]), rtol=0,
       atol=1e-10 * np.abs(pred).max())
-  np.testing.assert_allclose(pred, train.gd_from_predict(
+  np.testing.assert_allclose(pred, evaluation.gd_from_predict(
       task, w0=mu, lam=lam, eta=eta, steps=depth), rtol=1e-10)
   # mu lives in the biases: without them the stack does not start at mu.
   compiled = programs.compile(algorithms.ridge_gd_from(
@@ -111,7 +114,7 @@ def test_driver_trains_and_evaluates_families(tmp_path):
   np.testing.assert_allclose(diff["mean"], np.subtract(
       losses["elsa_masked"], losses["gd_from_mu_compiled"]), rtol=1e-9)
   assert set(res["paired"]) == {"elsa_masked - gd_from_mu_compiled"}
-  assert "| elsa_masked - gd_from_mu_compiled |" in train.family_table(res)
+  assert "| elsa_masked - gd_from_mu_compiled |" in tables.family_table(res)
   assert os.path.exists(tmp_path / "nonzero_mean" / "figures" /
                         "test_loss_vs_depth.png")
   tree = out["decision_tree"]
@@ -139,7 +142,7 @@ def test_driver_trains_and_evaluates_families(tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"task": "cubic"}, "config.task must be one of ridge, linear, "),
+    ({"task": "cubic"}, r"config\.task must be one of \['ridge', 'linear', "),
     ({"task": "anisotropic", "task_options": {"kapa": 2.0}},
      "no option kapa"),
     ({"task": "anisotropic", "task_options": {"kappa": 0.5}},
@@ -187,38 +190,38 @@ def test_median_se_is_the_sampling_spread_of_the_median(draw, want):
   # 1 / sqrt(2 z sqrt(n)) = 5% here, so a wrong factor (2, z) cannot pass.
   n = 40_000
   rng = np.random.default_rng(7)
-  assert train.median_se(draw(rng, n)) == pytest.approx(want / np.sqrt(n),
+  assert loss_stats.median_se(draw(rng, n)) == pytest.approx(want / np.sqrt(n),
                                                         rel=0.15)
   # What the medians of 400 samples of 2000 spread by, against the mean
   # estimate over those samples.
   samples = [draw(rng, 2000) for _ in range(400)]
   assert np.std([np.median(x) for x in samples], ddof=1) == pytest.approx(
-      np.mean([train.median_se(x) for x in samples]), rel=0.1)
+      np.mean([loss_stats.median_se(x) for x in samples]), rel=0.1)
 
 
 def test_loss_and_paired_summaries_known_answers():
   # Mean, its standard error, median and the worst 1%'s share of the total.
-  s = train.loss_summary([1.0, 2.0, 3.0, 4.0, 100.0])
+  s = loss_stats.loss_summary([1.0, 2.0, 3.0, 4.0, 100.0])
   assert s == pytest.approx({"mean": 22.0, "se": np.sqrt(7610 / 4 / 5),
                              "median": 3.0, "median_se": s["median_se"],
                              "worst_share": 100 / 110}, rel=1e-12)
   # n = 3: the median's z-interval (quantiles 1/2 -+ 1.96 / (2 sqrt(3)),
   # clipped) is the whole sample, so the se is its range over 2 z.
-  assert train.median_se([2.0, 1.0, 30.0]) == pytest.approx(29 / 3.92,
+  assert loss_stats.median_se([2.0, 1.0, 30.0]) == pytest.approx(29 / 3.92,
                                                             rel=1e-12)
   # 1% of 200 prompts is the two worst: half of this mean.
-  s = train.loss_summary([1.0] * 198 + [99.0, 101.0])
+  s = loss_stats.loss_summary([1.0] * 198 + [99.0, 101.0])
   assert s["worst_share"] == pytest.approx(200 / 398, rel=1e-12)
   assert s["median"] == 1.0
   # Paired: the statistics of a - b, prompt by prompt.
-  s = train.paired_summary([1.0, 2.0, 3.0, 10.0], [0.0, 0.0, 6.0, 10.0])
+  s = loss_stats.paired_summary([1.0, 2.0, 3.0, 10.0], [0.0, 0.0, 6.0, 10.0])
   assert s == pytest.approx({"mean": 0.0, "se": np.sqrt(14 / 3 / 4),
                              "median": 0.5,
-                             "median_se": train.median_se([1, 2, -3, 0])},
+                             "median_se": loss_stats.median_se([1, 2, -3, 0])},
                             abs=1e-12)
   # Pairing removes the prompts' shared difficulty.
   base = np.arange(1.0, 101.0) ** 2
-  s = train.paired_summary(base + 0.1 * (-1.0) ** np.arange(100), base)
+  s = loss_stats.paired_summary(base + 0.1 * (-1.0) ** np.arange(100), base)
   assert s["mean"] == pytest.approx(0.0, abs=1e-12)
   assert s["se"] == pytest.approx(0.1 / np.sqrt(100) * np.sqrt(100 / 99),
                                   rel=1e-9)

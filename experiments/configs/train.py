@@ -26,21 +26,34 @@ Variants (``--config=experiments/configs/train.py:NAME``):
   ``python -m experiments.train --config=experiments/configs/train.py:tasks
   --workdir=runs/tasks``; one of its runs alone (the same run, so the
   whole variant then skips it): ``:tasks.nonzero_mean``. Any family on any
-  other variant: ``--config.task=NAME``.
+  other variant: ``--config.task=NAME``, its options as
+  ``--config.task_options.NAME=VALUE`` (e.g. ``--config.task=anisotropic
+  --config.task_options.kappa=100``; unset options keep the family's
+  defaults).
+* ``tasks.tiny``: every run of ``tasks`` at a tiny size (d = 2, N = 6,
+  depth 1, 20 steps, 32 test prompts): seconds a family, a minute or so in
+  all (tests and a first look).
+
+``--config.dtype=float64`` runs in float64; it needs JAX's 64-bit mode
+(``JAX_ENABLE_X64=1 python -m experiments.train ...``).
 
 Override any field, e.g. ``--config.depths='(1, 2, 4, 8)' --config.steps=4000``.
 """
 
+import dataclasses
+
 import ml_collections
 
+from elsa import tasks as task_families
 from experiments import checks
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The default training run, or the variant ``arg`` (``tiny``, ``grid``,
-  ``vonoswald``, ``tasks``, or ``tasks.RUN``: one run of ``tasks``)."""
+  ``vonoswald``, ``tasks``, ``tasks.tiny``, or ``tasks.RUN``: one run of
+  ``tasks``)."""
   only = None
-  if arg and arg.startswith("tasks."):  # one run of the tasks variant
+  if arg and arg.startswith("tasks."):  # one run, or the tiny form, of tasks
     arg, only = "tasks", arg[len("tasks."):]
   arg = checks.variant("train", arg, ("tiny", "grid", "vonoswald", "tasks"))
   config = ml_collections.ConfigDict()
@@ -50,7 +63,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # ridge fields noise, x_scale, x_dist and the shifts are then not read;
   # lam is the GD references' ridge strength).
   config.task = "ridge"
-  config.task_options = ml_collections.ConfigDict()
+  # Every family's options, unset (None: the family's default), so that
+  # --config.task_options.kappa=100 sets one.
+  config.task_options = task_options()
+  # The models, training batches and test tasks: "float32", or "float64"
+  # (needs JAX's 64-bit mode: JAX_ENABLE_X64=1).
+  config.dtype = "float32"
   # Several runs, one per entry (name -> fields to set, task_options among
   # them), each in WORKDIR/<name>; empty: this config is the one run.
   config.task_runs = ml_collections.ConfigDict()
@@ -165,6 +183,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   return config
 
 
+def task_options(**options) -> ml_collections.ConfigDict:
+  """Every option of every family of elsa.tasks, ``None`` (the family's
+  default) where ``options`` does not set it, each typed as its field."""
+  types = {"float": float, "int": int, "bool": bool, "tuple": tuple}
+  fields = {field.name: types[str(field.type).split()[0]]
+            for family in task_families.FAMILIES.values()
+            for field in dataclasses.fields(family)}
+  out = ml_collections.ConfigDict({
+      name: ml_collections.config_dict.placeholder(kind)
+      for name, kind in sorted(fields.items())})
+  out.update(options)
+  return out
+
+
 def _tasks_variant(config: ml_collections.ConfigDict, only: str | None
                    ) -> None:
   """Every family of elsa.tasks at a budget of minutes each (see the doc),
@@ -210,9 +242,30 @@ def _tasks_variant(config: ml_collections.ConfigDict, only: str | None
   # The scikit-learn networks take ~0.2 s a prompt: fewer test prompts.
   for name in ("quadratic", "relu_2nn"):
     runs[name]["n_test"] = 512
-  if only is not None:
+  if only == "tiny":
+    _tiny_tasks(config)
+    for run in runs.values():
+      run.pop("n_test", None)
+  elif only is not None:
     if only not in runs:
-      raise ValueError(f"train config: unknown run {only!r} of 'tasks'; "
-                       f"known: {', '.join(runs)}.")
+      raise checks.UnknownVariant(
+          f"train config: unknown run {only!r} of 'tasks'; known: "
+          f"{', '.join(runs)}, or 'tiny' (every run at a tiny size).")
     runs = {only: runs[only]}
   config.task_runs = ml_collections.ConfigDict(runs)
+
+
+def _tiny_tasks(config: ml_collections.ConfigDict) -> None:
+  """The tasks variant in seconds a family (tests and a first look): d = 2,
+  N = 6, depth 1, 20 steps, 32 test prompts."""
+  config.n_train = 6
+  config.d = 2
+  config.depths = (1,)
+  config.steps = 20
+  config.warmup_steps = 2
+  config.batch = 16
+  config.log_every = 10
+  config.checkpoint_every = 20
+  config.n_test = 32
+  config.eval_chunk = 32
+  config.eta_grid = 5
