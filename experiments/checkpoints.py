@@ -138,7 +138,8 @@ def load_trained(config, workdir: str, *, name: str, depth: int
                                f"trained {name} at depth {depth}; " + remedy)
   with ocp.CheckpointManager(os.path.abspath(folder),
                              options=ocp.CheckpointManagerOptions(
-                                 create=False, read_only=True)) as manager:
+                                 create=False, read_only=True,
+                                 save_interval_steps=0)) as manager:
     step, state, _ = restore(config, manager, wd, folder, state, losses,
                               name=name, depth=depth, remedy=remedy)
   if step != config.steps:

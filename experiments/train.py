@@ -53,7 +53,6 @@ tasks), :mod:`experiments.loss_stats` (per-prompt summaries),
 
 from __future__ import annotations
 
-import logging as std_logging
 import os
 import time
 
@@ -226,15 +225,7 @@ def _track_evaluation(config, results: dict, tracker: tracking.Tracker
                            results["test_loss"].items()})
 
 
-def _quiet_orbax() -> None:
-  """Orbax logs every checkpoint save at INFO; keep only its warnings."""
-  logging.get_absl_handler().addFilter(
-      lambda record: (record.levelno >= std_logging.WARNING
-                      or "orbax" not in record.pathname))
-
-
 def main(argv) -> None:
-  _quiet_orbax()
   distributed.run_main(argv, "train", run)
 
 
