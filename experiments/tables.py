@@ -13,7 +13,8 @@ def family_table(results: dict, *, scale: float = 1.0) -> str:
   its se)``, with ``[worst 1%: S]`` where the worst 1% of prompts make
   more than half of the mean; the references (each at every depth) and
   the paired model-to-model differences ``mean ± se (median ± se)``. Every
-  loss times ``scale`` (``1 / d``: Garg et al.'s normalisation)."""
+  loss times ``scale`` (the driver's: ``1 / family.error_scale(d)``,
+  Garg et al.'s normalisation, so that predicting zero scores about 1)."""
   depths, best = results["depths"], results["best_reference"]
   num = lambda v, fmt: "—" if v is None or not np.isfinite(v) else format(
       v * scale, fmt)

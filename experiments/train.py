@@ -198,8 +198,10 @@ def _run(config: ml_collections.ConfigDict, wd: workdirs.Workdir, mesh,
     wd.save_figure(figure, f"figures/{name}.png")
   wd.write_json("results.json", results)
   if not ridge_task:
-    logging.info("%s (mean / median (minus %s ± se)):\n%s", config.task,
-                 results["best_reference"], tables.family_table(results))
+    scale = train_setup.train_spec(config).family.error_scale(config.d)
+    logging.info("%s, squared error / %.3g (mean / median (minus %s ± se)):"
+                 "\n%s", config.task, scale, results["best_reference"],
+                 tables.family_table(results, scale=1 / scale))
   for i, depth in enumerate(config.depths):
     # A model whose whole grid diverged has no test loss (None).
     logging.info("L=%d: %s", depth, ", ".join(

@@ -30,7 +30,7 @@ Variants (``--config=experiments/configs/train.py:NAME``):
   ``--config.task_options.NAME=VALUE`` (e.g. ``--config.task=anisotropic
   --config.task_options.kappa=100``; unset options keep the family's
   defaults).
-* ``tasks.tiny``: every run of ``tasks`` at a tiny size (d = 2, N = 6,
+* ``tasks.tiny``: every run of ``tasks`` at a tiny size (d = 3, N = 6,
   depth 1, 20 steps, 32 test prompts): seconds a family, a minute or so in
   all (tests and a first look).
 
@@ -256,10 +256,11 @@ def _tasks_variant(config: ml_collections.ConfigDict, only: str | None
 
 
 def _tiny_tasks(config: ml_collections.ConfigDict) -> None:
-  """The tasks variant in seconds a family (tests and a first look): d = 2,
-  N = 6, depth 1, 20 steps, 32 test prompts."""
+  """The tasks variant in seconds a family (tests and a first look): d = 3
+  (Garg et al.'s sparse k = 3 needs d >= 3), N = 6, depth 1, 20 steps, 32
+  test prompts."""
   config.n_train = 6
-  config.d = 2
+  config.d = 3
   config.depths = (1,)
   config.steps = 20
   config.warmup_steps = 2
