@@ -64,7 +64,9 @@ _TABLE = (
 )
 # Placeholders the pages write: a directory of the reader's choice, the shell
 # variables of a loop over device counts and of one host's process id.
-_PLACEHOLDERS = {"=DIR": "=runs/dir", "$n": "2", "$I": "0"}
+# DIR is the README's tiny decompile workdir: one command, run once, beside
+# its finished train run.
+_PLACEHOLDERS = {"=DIR": "=runs/tiny_stacks/decompile", "$n": "2", "$I": "0"}
 _SHELL = re.compile(r"```(?:bash|sh|console|shell)\n(.*?)```", re.S)
 _SPAN = re.compile(r"`((?:[A-Z_]+=\S* )*python3? -m [^`]+)`")
 
@@ -130,13 +132,19 @@ def documented_commands() -> dict[str, str]:
                             " ".join(span.split()))]
       for line in lines:
         for words in _split(line):
-          found.setdefault(shlex.join(words), page)
+          found.setdefault(shlex.join(_filled(words)), page)
   return found
+
+
+def _filled(words: list[str]) -> list[str]:
+  for placeholder, value in _PLACEHOLDERS.items():
+    words = [w.replace(placeholder, value) for w in words]
+  return words
 
 
 def _words(command: str) -> tuple[dict, list[str]]:
   """A command's ``VAR=value`` environment and its words, a launcher
-  (``srun ...``) dropped and the pages' placeholders filled in."""
+  (``srun ...``) dropped."""
   words = shlex.split(command)
   env = {}
   while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
@@ -144,8 +152,6 @@ def _words(command: str) -> tuple[dict, list[str]]:
     env[key] = value
   if words[0] == "srun":
     words = words[words.index("python"):]
-  for placeholder, value in _PLACEHOLDERS.items():
-    words = [w.replace(placeholder, value) for w in words]
   return env, words
 
 
@@ -231,6 +237,8 @@ def test_quick_command_runs_as_written(command, user_dir):
       f"{_COMMANDS[command]}: `{command}` failed:\n{proc.stderr[-3000:]}")
   seconds = time.perf_counter() - start
   print(f"{seconds:.1f} s: {command}")
+  if words[2] == "experiments.decompile":  # after train, in the same root
+    assert "reusing the finished train run" in proc.stderr, proc.stderr[-2000:]
 
 
 def _parse_driver_flags(module_name: str, argv: list[str]):
