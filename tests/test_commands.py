@@ -32,6 +32,9 @@ from unittest import mock
 from absl import flags
 from ml_collections import config_flags
 import pytest
+# Without the suite's 64-bit mode, compilation cache and device count, as the
+# decompile driver's end-to-end test runs it.
+from test_decompile_driver import _as_a_user
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ("README.md", "docs/getting_started.md", "docs/guides/*.md")
@@ -164,13 +167,25 @@ def classify(command: str) -> tuple[str, str]:
 
 
 _COMMANDS = documented_commands()
-_ORDER = {RUN: 0, CHECK: 1, SKIP: 2}
 
 
 def _sort_key(command):
   # Train before decompile, so the decompile driver finds the finished train
   # run beside its workdir (runs/train for runs/decompile) and trains none.
   return ("experiments.decompile " in command, command)
+
+
+def _run_groups() -> list[tuple[str, ...]]:
+  """The RUN commands, those whose workdirs share a folder below ``runs/``
+  (a train run and the decompile run beside it) in one group, in order: one
+  test each, so that no test process splits a pair."""
+  groups = {}
+  for command in sorted(_by_kind(RUN), key=_sort_key):
+    workdir = [w for w in _words(command)[1] if w.startswith("--workdir=")]
+    root = os.path.dirname(workdir[0].split("=", 1)[1]) if workdir else ""
+    groups.setdefault(root if root not in ("", "runs") else command,
+                      []).append(command)
+  return [tuple(group) for group in groups.values()]
 
 
 def test_pages_show_commands_and_every_one_is_classified():
@@ -188,7 +203,7 @@ def test_pages_show_commands_and_every_one_is_classified():
 
 
 def _by_kind(kind):
-  return sorted((c for c in _COMMANDS if _classified(c) == kind), key=_sort_key)
+  return sorted(c for c in _COMMANDS if _classified(c) == kind)
 
 
 def _classified(command):
@@ -203,17 +218,6 @@ def _id(command):
       _words(command)[1][2:])[:60]
 
 
-def _as_a_user(env: dict) -> dict:
-  """``env`` without the suite's settings (64-bit jax, its compilation cache,
-  a forced device count): what a user's shell has. As
-  tests/test_decompile_driver.py runs the drivers, XLA's backend level 0
-  (half the compile time; the work is the same)."""
-  env = {k: v for k, v in env.items() if not k.startswith(("JAX_", "XLA_"))}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS="--xla_backend_optimization_level=0")
-  return env
-
-
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory):
   """A fresh directory as a user's clone looks to the commands: only
@@ -224,13 +228,19 @@ def user_dir(tmp_path_factory):
   return str(path)
 
 
-@pytest.mark.parametrize("command", _by_kind(RUN), ids=_id)
-def test_quick_command_runs_as_written(command, user_dir):
+@pytest.mark.parametrize("commands", _run_groups(),
+                         ids=lambda group: " then ".join(map(_id, group)))
+def test_quick_commands_run_as_written(commands, user_dir):
+  for command in commands:
+    _run_as_a_user(command, user_dir)
+
+
+def _run_as_a_user(command, user_dir):
   env, words = _words(command)
   assert words[0] == "python", command
   start = time.perf_counter()
-  proc = subprocess.run([sys.executable, *words[1:]], cwd=user_dir,
-                        env={**_as_a_user(os.environ), **env},
+  env = {**_as_a_user(os.environ), "PYTHONPATH": ROOT, **env}
+  proc = subprocess.run([sys.executable, *words[1:]], cwd=user_dir, env=env,
                         capture_output=True, text=True, timeout=600,
                         check=False)
   assert proc.returncode == 0, (
