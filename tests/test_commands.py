@@ -292,5 +292,4 @@ def test_long_command_is_valid(command, monkeypatch):
   monkeypatch.chdir(ROOT)  # the pages' relative --config paths
   values = _parse_driver_flags(module_name, argv)
   assert values.workdir, command
-  if hasattr(module, "validate"):
-    module.validate(values.config)
+  module.validate(values.config)  # every driver checks its config first
