@@ -1,5 +1,5 @@
-"""experiments/train.py on the families of elsa.tasks: the compiled GD-from-mu
-stack, the driver end to end on two families, refusals of bad task configs."""
+"""experiments/train.py on the families of elsa.tasks: the driver end to end
+on two families, the tasks variant, refusals of bad task configs."""
 
 import os
 
@@ -9,53 +9,13 @@ import ml_collections
 import numpy as np
 import pytest
 
-from elsa import algorithms, programs, ridge, tasks
+from elsa import tasks
 from experiments import checks
 from experiments import decompile_tasks
-from experiments import evaluation
-from experiments import loss_stats
 from experiments import tables
 from experiments import train
 from experiments import workdirs
 from experiments.configs import train as train_config
-
-
-@pytest.mark.parametrize("n_train,d,n_query,depth", [(5, 3, 2, 3), (3, 4, 1, 2)])
-def test_compiled_gd_from_mu_is_ridge_gd_from_mu_at_every_layer(
-    n_train, d, n_query, depth):
-  family = tasks.get("nonzero_mean", mu_scale=0.8)
-  task = family.sample(jax.random.key(d), batch=4, n_train=n_train, d=d,
-                       n_query=n_query, dtype=jnp.float64)
-  mu = family.mu(d, jnp.float64) * jnp.linspace(0.5, 1.5, d)  # not all equal
-  lam, eta = 0.1, 0.4
-  want = ridge.gd(task.x, task.y, lam=lam, eta=eta, steps=depth,
-                  w0=jnp.broadcast_to(mu, (4, d)))
-  ws = evaluation.compiled_gd_from_predict(task, w0=mu, lam=lam, eta=eta,
-                                      depth=depth, return_all=True)
-  # States: input, set-up (w = mu), depth steps, read-out (w unchanged).
-  assert ws.shape == (depth + 3, 4, d)
-  scale = np.abs(want).max()
-  np.testing.assert_allclose(ws[1:depth + 2], want, rtol=0, atol=1e-10 * scale)
-  np.testing.assert_allclose(ws[-1], want[-1], rtol=0, atol=1e-10 * scale)
-  pred = evaluation.compiled_gd_from_predict(task, w0=mu, lam=lam, eta=eta,
-                                        depth=depth)
-  np.testing.assert_allclose(
-      pred, np.einsum("bqd,bd->bq", task.x_query, want[-1]), rtol=0,
-      atol=1e-10 * np.abs(pred).max())
-  np.testing.assert_allclose(pred, evaluation.gd_from_predict(
-      task, w0=mu, lam=lam, eta=eta, steps=depth), rtol=1e-10)
-  # mu lives in the biases: without them the stack does not start at mu.
-  compiled = programs.compile(algorithms.ridge_gd_from(
-      n_train=n_train, d=d, n_query=n_query, w0=mu))
-  params = compiled.params(loops=depth, lam=lam, eta=eta, dtype=jnp.float64)
-  no_bias = params._replace(b1=0 * params.b1, b2=0 * params.b2,
-                            b3=0 * params.b3)
-  h0 = compiled.encode(X=task.x, y=task.y[..., None], Xq=task.x_query)
-  import elsa  # pylint: disable=import-outside-toplevel
-  hs = elsa.elsa_stack(no_bias, h0, return_all=True)
-  assert np.abs(compiled.read(hs, "w")[1, ..., 0] - mu).max() > 0.1
-  with pytest.raises(ValueError, match="w0 must be a concrete array of d=3"):
-    algorithms.ridge_gd_from(n_train=2, d=3, w0=np.ones(2))
 
 
 def _config(tmp_runs: dict) -> ml_collections.ConfigDict:
@@ -176,52 +136,3 @@ def test_tasks_variant_runs_every_family():
   # The default run is today's ridge task.
   default = train_config.get_config()
   assert default.task == "ridge" and not default.task_runs
-
-
-@pytest.mark.parametrize("draw,want", [
-    # sqrt(pi / 2) s / sqrt(n) for normal draws; 1 / (2 f(m) sqrt(n)) with
-    # f(m) = 1 for uniform ones, and for exponential ones f(ln 2) = 1/2.
-    (lambda rng, n: 3.0 * rng.standard_normal(n), 3.0 * np.sqrt(np.pi / 2)),
-    (lambda rng, n: rng.uniform(size=n), 0.5),
-    (lambda rng, n: rng.exponential(size=n), 1.0),
-])
-def test_median_se_is_the_sampling_spread_of_the_median(draw, want):
-  # The estimate, from one sample of n: its own noise is about
-  # 1 / sqrt(2 z sqrt(n)) = 5% here, so a wrong factor (2, z) cannot pass.
-  n = 40_000
-  rng = np.random.default_rng(7)
-  assert loss_stats.median_se(draw(rng, n)) == pytest.approx(want / np.sqrt(n),
-                                                        rel=0.15)
-  # What the medians of 400 samples of 2000 spread by, against the mean
-  # estimate over those samples.
-  samples = [draw(rng, 2000) for _ in range(400)]
-  assert np.std([np.median(x) for x in samples], ddof=1) == pytest.approx(
-      np.mean([loss_stats.median_se(x) for x in samples]), rel=0.1)
-
-
-def test_loss_and_paired_summaries_known_answers():
-  # Mean, its standard error, median and the worst 1%'s share of the total.
-  s = loss_stats.loss_summary([1.0, 2.0, 3.0, 4.0, 100.0])
-  assert s == pytest.approx({"mean": 22.0, "se": np.sqrt(7610 / 4 / 5),
-                             "median": 3.0, "median_se": s["median_se"],
-                             "worst_share": 100 / 110}, rel=1e-12)
-  # n = 3: the median's z-interval (quantiles 1/2 -+ 1.96 / (2 sqrt(3)),
-  # clipped) is the whole sample, so the se is its range over 2 z.
-  assert loss_stats.median_se([2.0, 1.0, 30.0]) == pytest.approx(29 / 3.92,
-                                                            rel=1e-12)
-  # 1% of 200 prompts is the two worst: half of this mean.
-  s = loss_stats.loss_summary([1.0] * 198 + [99.0, 101.0])
-  assert s["worst_share"] == pytest.approx(200 / 398, rel=1e-12)
-  assert s["median"] == 1.0
-  # Paired: the statistics of a - b, prompt by prompt.
-  s = loss_stats.paired_summary([1.0, 2.0, 3.0, 10.0], [0.0, 0.0, 6.0, 10.0])
-  assert s == pytest.approx({"mean": 0.0, "se": np.sqrt(14 / 3 / 4),
-                             "median": 0.5,
-                             "median_se": loss_stats.median_se([1, 2, -3, 0])},
-                            abs=1e-12)
-  # Pairing removes the prompts' shared difficulty.
-  base = np.arange(1.0, 101.0) ** 2
-  s = loss_stats.paired_summary(base + 0.1 * (-1.0) ** np.arange(100), base)
-  assert s["mean"] == pytest.approx(0.0, abs=1e-12)
-  assert s["se"] == pytest.approx(0.1 / np.sqrt(100) * np.sqrt(100 / 99),
-                                  rel=1e-9)
