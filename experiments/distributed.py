@@ -385,9 +385,11 @@ def _stop(name: str, *, joined: bool) -> None:
 def _peer_gone(err: BaseException) -> bool:
   """A collective failed because a peer process is gone: on CPU, Gloo
   reports the dead peer's closed connection before the heartbeats run out,
-  when the kill finds this process inside a collective."""
+  when the kill finds this process inside a collective: the connection
+  closed, or reset if the peer died with data unread."""
   return (isinstance(err, jax.errors.JaxRuntimeError)
-          and "closed by peer" in str(err))
+          and ("closed by peer" in str(err)
+               or "reset by peer" in str(err)))
 
 
 def run_main(argv, name: str, run, **kwargs):

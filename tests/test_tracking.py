@@ -11,6 +11,7 @@ from tensorboardX.proto import event_pb2
 from tensorboardX.proto import plugin_hparams_pb2
 
 from experiments import train
+from experiments import train_setup
 from experiments import tracking
 from experiments.configs import train as train_config
 
@@ -74,7 +75,7 @@ def test_train_writes_losses_learning_rate_and_hparams(tmp_path,
   results = train.run(config, workdir)
   events = _events(os.path.join(workdir, tracking.FOLDER))
   scalars = _scalars(events)
-  for (lr, scale), val_loss in zip(train.grid(config),
+  for (lr, scale), val_loss in zip(train_setup.grid(config),
                                    results["tuning"]["lsa_trained"][0][
                                        "val_loss"]):
     point = f"lsa_trained/L1/lr_{lr:g}_init_scale_{scale:g}"
