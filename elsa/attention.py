@@ -14,7 +14,10 @@ attention matrix ``Q K^T`` is never formed. Cost per batch element is
 ``O(m n (k + v) + m k v)`` and memory ``O(m (k + v) + k v)``.
 
 :func:`elsa`, :func:`lsa`, :func:`elsa_layer` and :func:`elsa_stack` take a
-``key_mask``, the tokens that enter ``K^T V``. :func:`prune` turns a concrete
+``key_mask``, the tokens that enter ``K^T V``, and ``causal=True``, row ``i``
+reading the tokens ``j <= i`` only (by chunks, in ``O(m)`` memory).
+Parameters laid out for ``M`` tokens run on any prefix of ``m <= M`` tokens
+(the first ``m`` bias rows). :func:`prune` turns a concrete
 (constructed, sparse) stack into a :class:`PrunedStack` that computes the
 same layers without multiplying its zeros.
 
@@ -47,11 +50,27 @@ class ElsaParams(NamedTuple):
   ``[C, ...]`` on every leaf; a stack of ``L`` layers carries ``[L, C, ...]``.
   """
 
+  #: Key weights ``[n, k]``; the keys of ``h`` ``[m, n]`` are ``h @ w1 + b1[:m]``.
+  #: A layer's leaf is ``[C, n, k]``, a stack's ``[L, C, n, k]``.
   w1: Array
+  #: Value weights ``[n, v]``; the values are ``h @ w2 + b2[:m]``.
+  #: A layer's leaf is ``[C, n, v]``, a stack's ``[L, C, n, v]``.
   w2: Array
+  #: Query weights ``[n, k]``; the queries are ``h @ w3 + b3[:m]``.
+  #: A layer's leaf is ``[C, n, k]``, a stack's ``[L, C, n, k]``.
   w3: Array
+  #: Key position biases ``[M, k]``, one row per token; ``M`` is the token
+  #: count the parameters are laid out for (:attr:`m`), and an input of
+  #: ``m <= M`` tokens uses the first ``m`` rows. A layer's leaf is
+  #: ``[C, M, k]``, a stack's ``[L, C, M, k]``.
   b1: Array
+  #: Value position biases ``[M, v]``, one row per token; an input of
+  #: ``m <= M`` tokens uses the first ``m`` rows. A layer's leaf is
+  #: ``[C, M, v]``, a stack's ``[L, C, M, v]``.
   b2: Array
+  #: Query position biases ``[M, k]``, one row per token; an input of
+  #: ``m <= M`` tokens uses the first ``m`` rows. A layer's leaf is
+  #: ``[C, M, k]``, a stack's ``[L, C, M, k]``.
   b3: Array
 
   @property
@@ -143,14 +162,18 @@ class ElsaParams(NamedTuple):
 
 
 _NAMES = ElsaParams._fields
+_BIASES = ("b1", "b2", "b3")
 
 
 def _check(p: ElsaParams, h: Array, *, lead: tuple[str, ...], fn: str,
-           names: tuple[str, ...] = _NAMES) -> None:
+           names: tuple[str, ...] = _NAMES) -> ElsaParams:
   """Validates shapes and dtypes at trace time; ``lead`` names the leading axes.
 
   Only the leaves in ``names`` are checked (:func:`lsa` ignores the biases,
-  so it checks only the weights).
+  so it checks only the weights). Returns ``p`` for ``h``: biases laid out
+  for ``M >= m`` tokens are cut to their first ``m`` rows (positions), so
+  parameters laid out for ``M`` tokens run on every prefix; ``m > M`` is
+  refused.
   """
   if not isinstance(p, ElsaParams):
     raise TypeError(f"{fn}: p must be an ElsaParams, got {type(p).__name__}.")
@@ -169,15 +192,29 @@ def _check(p: ElsaParams, h: Array, *, lead: tuple[str, ...], fn: str,
   m, n = jnp.shape(h)[-2:]
   k, v = p.w1.shape[-1], p.w2.shape[-1]
   lead_shape = p.w1.shape[:-2]
-  expected = dict(w1=(n, k), w2=(n, v), w3=(n, k), b1=(m, k), b2=(m, v),
-                  b3=(m, k))
+  biases = [name for name in names if name in _BIASES]
+  if biases:
+    laid_out = max(jnp.shape(getattr(p, name))[-2] for name in biases)
+    if laid_out < m:
+      raise ValueError(
+          f"{fn}: p is laid out for m={laid_out} tokens (the rows of its "
+          f"biases) but h of shape {jnp.shape(h)} has {m}; a stack runs on "
+          f"prefixes of m <= {laid_out} tokens only, so build p for m={m} "
+          f"(or more), or give h at most {laid_out} tokens.")
+  else:
+    laid_out = m
+  expected = dict(w1=(n, k), w2=(n, v), w3=(n, k), b1=(laid_out, k),
+                  b2=(laid_out, v), b3=(laid_out, k))
   for name, leaf in leaves:
     want = (*lead_shape, *expected[name])
     if jnp.shape(leaf) != want:
       raise ValueError(
           f"{fn}: p.{name} must have shape {want} for h of shape "
-          f"{jnp.shape(h)} (m={m}, n={n}, k={k}, v={v}), got "
+          f"{jnp.shape(h)} (m={laid_out}, n={n}, k={k}, v={v}), got "
           f"{jnp.shape(leaf)}.")
+  if laid_out == m:
+    return p
+  return p._replace(**{name: getattr(p, name)[..., :m, :] for name in biases})
 
 
 def _key_mask(key_mask, h: Array, fn: str) -> tuple[Array, Array | None]:
@@ -195,6 +232,14 @@ def _key_mask(key_mask, h: Array, fn: str) -> tuple[Array, Array | None]:
   if len(shape) < 1 or shape[-1] != m:
     raise ValueError(f"{fn}: key_mask must have shape [..., m] with m={m} "
                      f"(the tokens of h {jnp.shape(h)}), got shape {shape}.")
+  if len(shape) >= 2 and len(shape) > jnp.ndim(h) - 1 and shape[-2] == m:
+    # [..., m, m] with more axes than h has batch axes: a per-query mask
+    # (causal, say), which would otherwise broadcast as m masks of the keys.
+    raise ValueError(
+        f"{fn}: key_mask of shape {shape} looks like a per-query [m, m] mask "
+        f"for h {jnp.shape(h)}; key_mask is one mask per item over the keys, "
+        "[..., m] with batch axes of h. For 'row i reads tokens j <= i' pass "
+        "causal=True (it composes with a key_mask [..., m]).")
   try:
     batch = jnp.broadcast_shapes(jnp.shape(h)[:-2], shape[:-1])
   except ValueError:
@@ -259,15 +304,20 @@ def _causal_attend(q: Array, k: Array, v: Array, chunk: int,
 
   tril = jnp.tril(jnp.ones((size, size), bool))
 
+  dtype = jnp.result_type(q, k, v)
+  # Half-precision inputs: the running sums accumulate in float32 (a sum
+  # over m tokens in bfloat16 keeps 8 bits of it); the output is cast back.
+  acc = jnp.promote_types(dtype, jnp.float32)
+
   def step(state, block):
     qb, kb, vb = block
     scores = jnp.where(tril, ein("c...ik,c...jk->c...ij", qb, kb), 0)
-    out = (ein("c...ij,c...jv->...iv", scores, vb)
-           + ein("c...ik,c...kv->...iv", qb, state))
-    return state + ein("c...jk,c...jv->c...kv", kb, vb), out
+    out = (ein("c...ij,c...jv->...iv", scores, vb, preferred_element_type=acc)
+           + ein("c...ik,c...kv->...iv", qb.astype(acc), state))
+    return (state + ein("c...jk,c...jv->c...kv", kb, vb,
+                        preferred_element_type=acc), out.astype(dtype))
 
-  state = jnp.zeros((*k.shape[:-2], k.shape[-1], v.shape[-1]),
-                    jnp.result_type(q, k, v))
+  state = jnp.zeros((*k.shape[:-2], k.shape[-1], v.shape[-1]), acc)
   _, out = jax.lax.scan(step, state, (chunks(q), chunks(k), chunks(v)))
   out = jnp.moveaxis(out, 0, -3)  # [..., count, size, v]
   return out.reshape(*out.shape[:-3], count * size, out.shape[-1])[..., :m, :]
@@ -298,7 +348,9 @@ def elsa(p: ElsaParams, h: Array, *, key_mask=None, causal: bool = False,
 
   Args:
     p: parameters of one component, ``w1, w3: [n, k]``, ``w2: [n, v]``,
-      ``b1, b3: [m, k]``, ``b2: [m, v]``.
+      ``b1, b3: [M, k]``, ``b2: [M, v]`` laid out for ``M >= m`` tokens: the
+      bias rows are positions, and ``h`` of ``m < M`` tokens (a prefix) uses
+      the first ``m`` rows. ``m > M`` is refused.
     h: input tokens ``[..., m, n]``; leading axes are batch and broadcast.
     key_mask: ``None`` (every token enters the key/value sum) or ``[..., m]``,
       bool or in the dtype of ``h``: the sum becomes
@@ -327,7 +379,9 @@ def elsa(p: ElsaParams, h: Array, *, key_mask=None, causal: bool = False,
     ``[..., m, v]``, in the dtype of ``h``.
 
   Raises:
-    ValueError: a shape or rank of ``p`` does not match ``h``.
+    ValueError: a shape or rank of ``p`` does not match ``h``, ``h`` has
+      more tokens than ``p`` is laid out for, or ``key_mask`` is not
+      ``[..., m]`` (a per-query ``[m, m]`` mask names ``causal=True``).
     TypeError: a dtype is not floating or ``p`` and ``h`` disagree.
 
   Example:
@@ -335,7 +389,7 @@ def elsa(p: ElsaParams, h: Array, *, key_mask=None, causal: bool = False,
     >>> elsa(p, jnp.ones((5, 3))).shape
     (5, 3)
   """
-  _check(p, h, lead=(), fn="elsa")
+  p = _check(p, h, lead=(), fn="elsa")
   chunk = _chunk("elsa", chunk)
   h, key_mask = _key_mask(key_mask, h, "elsa")
   return _elsa(p, h, precision, key_mask, causal, chunk)
@@ -539,7 +593,7 @@ def elsa_layer(p: ElsaParams, h: Array, *, coeffs=None, key_mask=None,
       ``C, 1``; its leading axes must broadcast with those of ``h``).
     TypeError: a dtype is not floating or differs from that of ``h``.
   """
-  _check(p, h, lead=("C",), fn="elsa_layer")
+  p = _check(p, h, lead=("C",), fn="elsa_layer")
   _check_square(p, h, "elsa_layer")
   chunk = _chunk("elsa_layer", chunk)
   h, coeffs = _coefficients(coeffs, p, h, lead=("C",), fn="elsa_layer")
@@ -581,7 +635,7 @@ def elsa_stack(p: ElsaParams, h: Array, *, return_all: bool = False,
       or ``L, C, 1``; its leading axes must broadcast with those of ``h``).
     TypeError: a dtype is not floating or differs from that of ``h``.
   """
-  _check(p, h, lead=("L", "C"), fn="elsa_stack")
+  p = _check(p, h, lead=("L", "C"), fn="elsa_stack")
   _check_square(p, h, "elsa_stack")
   chunk = _chunk("elsa_stack", chunk)
   h, coeffs = _coefficients(coeffs, p, h, lead=("L", "C"), fn="elsa_stack")

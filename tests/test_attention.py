@@ -264,7 +264,10 @@ def _good(m=5, n=4, k=3, v=4, dtype=jnp.float32):
 
 
 @pytest.mark.parametrize("mutate,error,pattern", [
-    (lambda p, h: (p, h[:-1]), ValueError, r"p.b1 must have shape \(4, 3\)"),
+    (lambda p, h: (p, jnp.ones((6, 4), h.dtype)), ValueError,
+     r"p is laid out for m=5 tokens .* h of shape \(6, 4\) has 6"),
+    (lambda p, h: (p._replace(b1=p.b1[:-1]), h[:-1]), ValueError,
+     r"p.b1 must have shape \(5, 3\)"),
     (lambda p, h: (p, h[:, :-1]), ValueError, r"p.w1 must have shape \(3, 3\)"),
     (lambda p, h: (p._replace(w3=p.w3[:, :2]), h), ValueError,
      r"p.w3 must have shape \(4, 3\).*got \(4, 2\)"),
@@ -355,8 +358,13 @@ def test_lsa_checks_only_the_weights():
     got = elsa.lsa(p, h)
     assert got.shape == (m, v)
     assert rel_err(got, np_elsa(p, h, bias=False)) < F64_RTOL
-    with pytest.raises(ValueError, match=r"p.b1 must have shape"):
-      elsa.elsa(p, h)  # elsa uses the biases, so it still refuses them
+  # elsa uses the biases: m = 2 is a prefix (their first rows), m = 9 is
+  # longer than they are laid out for and refused.
+  h = jnp.asarray(rng.normal(size=(2, n)))
+  assert rel_err(elsa.elsa(p, h), np_elsa(jax.tree.map(
+      lambda a: a[:2] if a.shape[0] == 6 else a, p), h)) < F64_RTOL
+  with pytest.raises(ValueError, match=r"laid out for m=6 tokens"):
+    elsa.elsa(p, jnp.asarray(rng.normal(size=(9, n))))
   # Biases of another rank or dtype are ignored too.
   odd = p._replace(b1=jnp.zeros(3, jnp.int32), b3=None)
   h = jnp.asarray(rng.normal(size=(6, n)))
@@ -510,12 +518,27 @@ def test_key_mask_in_layers_stacks_and_the_residual_stack(L, C, m, n, k,
     (np.ones((3, 5), bool), ValueError, r"batch axes of key_mask \(3, 5\)"),
     (np.ones(5, np.float64), TypeError, r"key_mask must be bool or have the dtype of h \(float32\)"),
     (np.ones(5, np.int32), TypeError, r"key_mask must be bool .* got int32"),
+    (np.ones((2, 5, 5), bool), ValueError,
+     r"key_mask of shape \(2, 5, 5\) looks like a per-query \[m, m\] mask.*causal=True"),
 ])
 def test_bad_key_mask_raises(mask, error, pattern):
   p, h = _good()
   h = jnp.broadcast_to(h, (2, *h.shape))
   with pytest.raises(error, match=pattern):
     elsa.elsa(p, h, key_mask=mask)
+
+
+@pytest.mark.parametrize("fn", [elsa.elsa, elsa.lsa])
+def test_a_causal_square_key_mask_is_refused_not_broadcast(fn):
+  """A lower-triangular [m, m] mask on h [m, n] would otherwise be taken as
+  m masks of the keys (an output [m, m, v]); it is refused, naming causal."""
+  p, h = _good()
+  with pytest.raises(ValueError, match=r"key_mask of shape \(5, 5\) looks "
+                     r"like a per-query \[m, m\] mask .* pass causal=True"):
+    fn(p, h, key_mask=np.tril(np.ones((5, 5), bool)))
+  layer = ElsaParams(*(a[None] for a in p))
+  with pytest.raises(ValueError, match=r"elsa_layer: key_mask of shape"):
+    elsa.elsa_layer(layer, h, key_mask=np.tril(np.ones((5, 5), bool)))
 
 
 # --- prune: the same stack without the work of its zeros ---------------------

@@ -135,3 +135,51 @@ def test_non_causal_is_unchanged_by_chunk():
   p = random_params(rng, 6, 3, 2, 3, jnp.float64)
   h = jnp.asarray(rng.normal(size=(6, 3)))
   assert rel_err(elsa.elsa(p, h, chunk=2), elsa.elsa(p, h)) == 0
+
+
+@pytest.mark.parametrize("prefix", [1, 5, 9, 10])
+def test_a_causal_stack_on_a_prefix_is_the_prefix_of_its_output(prefix):
+  """Laid out for m = 10 tokens, run on the first m' tokens with the first m'
+  bias rows: a causal stack's rows are exactly the first m' rows of its
+  output at m (row i never reads a later token); the non-causal component
+  at m' is ELSA with the biases cut to m' rows."""
+  rng = np.random.default_rng(5)
+  L, C, m, n, k = 2, 2, 10, 3, 2
+  p = jax.tree.map(lambda a: 0.3 * a,
+                   random_params(rng, m, n, k, n, jnp.float64, lead=(L, C)))
+  h = jnp.asarray(rng.normal(size=(2, m, n)))
+  mask = rng.random((2, m)) < 0.7
+  full = elsa.elsa_stack(p, h, key_mask=mask, causal=True, chunk=4)
+  short = jax.jit(lambda p, h, mask: elsa.elsa_stack(
+      p, h, key_mask=mask, causal=True, chunk=4))(p, h[:, :prefix],
+                                                  mask[:, :prefix])
+  assert short.shape == (2, prefix, n)
+  assert rel_err(short, full[:, :prefix]) < F64_RTOL
+  one = jax.tree.map(lambda a: a[0, 0], p)
+  cut = one._replace(**{name: getattr(one, name)[:prefix]
+                        for name in ("b1", "b2", "b3")})
+  assert rel_err(elsa.elsa(one, h[:, :prefix]),
+                 elsa.elsa(cut, h[:, :prefix])) == 0
+  assert rel_err(elsa.elsa(one, h[:, :prefix], causal=True),
+                 np_causal(cut, h[:, :prefix])) < F64_RTOL
+
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda p, h: elsa.elsa(p, h, causal=True, chunk=0),
+     r"elsa: chunk must be an int >= 1, got 0"),
+    (lambda p, h: elsa.lsa(p, h, causal=True, chunk=-3),
+     r"lsa: chunk must be an int >= 1, got -3"),
+    (lambda p, h: elsa.elsa(p, jnp.concatenate([h, h]), causal=True),
+     r"elsa: p is laid out for m=6 tokens .* has 12; a stack runs on "
+     r"prefixes of m <= 6 tokens only"),
+    (lambda p, h: elsa.elsa(p, h, causal=True,
+                            key_mask=np.tril(np.ones((6, 6), bool))),
+     r"elsa: key_mask of shape \(6, 6\) looks like a per-query"),
+])
+def test_bad_causal_input_is_one_clear_line(call, pattern):
+  rng = np.random.default_rng(6)
+  p = random_params(rng, 6, 3, 2, 3, jnp.float64)
+  h = jnp.asarray(rng.normal(size=(6, 3)))
+  with pytest.raises(ValueError, match=pattern) as error:
+    call(p, h)
+  assert "\n" not in str(error.value)
