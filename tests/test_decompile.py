@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import elsa
 from elsa import algorithms, nn, programs, ridge, training
 from elsa import decompile
 from elsa.attention import ElsaParams
@@ -421,7 +422,7 @@ def _nan_where(tasks, b):
   """A model that is NaN on task ``b`` of ``tasks`` only (found by its x)."""
   marker = tasks.x[b, 0, 0]
   return lambda t: jnp.where((t.x[:, 0, 0] == marker)[:, None], jnp.nan,
-                             0 * t.x_query[..., 0])
+                             t.x_query[..., 0])
 
 
 _as = lambda task, dtype: ridge.Task(*(a.astype(dtype) for a in task))
@@ -610,3 +611,74 @@ def test_spectral_extras_are_fitted_and_shared_out():
                      (dict(lam=-1.0), ValueError)):
     with pytest.raises(error, match="decompile.spectral"):
       decompile.spectral(model, FIT_TASKS, TEST_TASKS, **bad)
+
+
+# --- reliability: step sizes far from 1 / mu, degenerate and foreign models ---
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e-4, None])
+def test_exact_gd_is_identified_at_any_step_size(scale):
+  # Exact GD at a step far below the random starts' range (0.05 / mu ..
+  # 1.5 / mu) must be found exactly, not approached to D ~ 1e-14, where
+  # preconditioned_gd (P = eta I, also exact) would be nearer.
+  eta = 0.5 / _mu(FIT_TASKS)[1] if scale is None else scale
+  model = lambda t: _gd_iterates(t, eta, LOOPS)
+  report = decompile.identify(model, FIT_TASKS, TEST_TASKS, lam=LAM)
+  assert report.best.family == "gd" and report.closest.family == "gd", [
+      (f.family, f.disagreement) for f in report.fits]
+  assert report.best.disagreement <= decompile.EXACT
+  assert helpers.rel_err(report.best.params["eta"], eta) < 1e-6
+
+
+def test_a_model_that_predicts_zero_is_refused_in_one_line():
+  zero = lambda t: jnp.zeros((LOOPS + 1,) + t.x_query.shape[:2], t.x.dtype)
+  message = (r"the model's predictions on fit_tasks are all zero \(every "
+             r"compared layer\)")
+  with pytest.raises(ValueError, match="decompile.identify: " + message):
+    decompile.identify(zero, FIT_TASKS, TEST_TASKS, lam=LAM)
+  with pytest.raises(ValueError, match="decompile.fit: " + message):
+    decompile.fit(zero, decompile.FAMILIES["gd"], FIT_TASKS, lam=LAM)
+  with pytest.raises(ValueError, match="decompile.spectral: " + message):
+    decompile.spectral(zero, FIT_TASKS, TEST_TASKS, lam=LAM)
+  # Zero on the held-out tasks only is named as such.
+  held = lambda t: jnp.where(t.x[:, :1, 0] == FIT_TASKS.x[:, :1, 0],
+                             _gd_iterates(t, 0.1, LOOPS), 0.0)
+  with pytest.raises(ValueError, match="on test_tasks are all zero"):
+    decompile.identify(held, FIT_TASKS, TEST_TASKS, lam=LAM, families=("gd",))
+
+
+def test_array_like_predictions_are_accepted_and_others_refused():
+  eta = 0.5 / _mu(FIT_TASKS)[1]
+  rows = lambda t: [r for r in _gd_iterates(t, eta, LOOPS)]  # a list of [B, Q]
+  report = decompile.identify(rows, FIT_TASKS, TEST_TASKS, lam=LAM,
+                              families=("gd",))
+  assert report.best.disagreement <= decompile.EXACT
+  assert helpers.rel_err(report.best.params["eta"], eta) < 1e-6
+  with pytest.raises(TypeError, match=r"decompile.fit: the model must return "
+                     r"predictions \[B, Q\] or \[S, B, Q\] \(an array or "
+                     r"array-like\), got dict"):
+    decompile.fit(lambda t: {"p": t.y}, decompile.FAMILIES["gd"], FIT_TASKS)
+
+
+def test_from_model_takes_any_callable_on_the_tokens():
+  # A plain function of the tokens (here elsa.elsa_stack itself) reads
+  # exactly as the nn.ElsaStack of the same parameters.
+  spec = training.TaskSpec(n_train=N, d=D, n_query=Q, tokens="natural")
+  form = spec.model_tokens()
+  params = ElsaParams.init(jax.random.key(0), m=form.m, n=form.n, k=form.n,
+                           lead=(2, 1), dtype=F64)
+  task = _tasks(6)
+  want = decompile.from_model(nn.ElsaStack(params), spec)(task)
+  every = lambda h: elsa.elsa_stack(params, h, return_all=True)
+  np.testing.assert_array_equal(decompile.from_model(every, spec)(task), want)
+  # A callable returning the last state only is a final-only model.
+  final = lambda h: elsa.elsa_stack(params, h)
+  np.testing.assert_array_equal(decompile.from_model(final, spec)(task),
+                                want[-1])
+  with pytest.raises(ValueError, match=r"from_model: the model returned "
+                     r"states of shape \(24, 10, 2\); on the natural "
+                     r"layout's tokens \(24, 10, 6\)"):
+    decompile.from_model(lambda h: h[..., :2], spec)(task)
+  with pytest.raises(TypeError, match="from_model: model must be an "
+                     "nn.ElsaStack or a callable"):
+    decompile.from_model("stack", spec)

@@ -5,8 +5,11 @@ ridge tasks (:class:`elsa.ridge.Task`: ``x [B, N, d]``, ``y [B, N]``,
 ``x_query [B, Q, d]``), returning the final query predictions ``[B, Q]`` or
 the prediction after every layer ``[S, B, Q]`` (row 0 the state before the
 first layer, never compared: a trained stack's is its input, a compiled one's
-its set-up). :func:`from_model` and :func:`from_compiled` make models of what
-the library builds.
+its set-up), in the tasks' dtype: an array or any array-like
+(``jnp.asarray``: a list of ``[B, Q]`` rows), not all zero (every
+disagreement is relative to the predictions' norm). :func:`from_model` (an :class:`elsa.nn.ElsaStack` or any callable ``h
+[B, m, n] -> states`` on a task layout's tokens) and :func:`from_compiled`
+make models of what the library builds.
 
 A *family* (:data:`FAMILIES`) is a parameterised algorithm: a matrix program
 (those of :mod:`elsa.algorithms`, and two written here with a block input or a

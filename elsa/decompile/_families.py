@@ -49,14 +49,30 @@ class Parameter:
   def _scale(self, mu: Array) -> Array:
     return {"step": 1 / mu, "eigen": mu, "one": jnp.ones_like(mu)}[self.unit]
 
-  def start(self, key: Array, mu: Array, d: int, loops: int) -> Array:
-    """A random unconstrained start ``u``."""
+  def start(self, key: Array, mu: Array, d: int, loops: int,
+            step: Array | float = 1.0) -> Array:
+    """A random unconstrained start ``u``.
+
+    ``step``: the step size the data suggest, in units of ``1 / mu``. A
+    positive ``"step"`` parameter's log-uniform range ``init`` is moved by
+    the factor that makes it contain ``step`` where it lies outside (a
+    non-positive or non-finite ``step`` moves nothing): Levenberg–Marquardt
+    in ``u = log(value)`` moves about one unit of ``u`` per step when far
+    above the target, so from ``init`` alone a step of ``1e-8 / mu`` is
+    out of reach of its default 20 steps.
+    """
     low, high = self.init
     shape = self._shape(d, loops)
     k_level, k_jitter = jax.random.split(key)
     if self.positive:
       level = jax.random.uniform(k_level, (), mu.dtype, math.log(low),
                                  math.log(high))
+      if self.unit == "step":
+        step = jnp.asarray(step, mu.dtype)
+        usable = jnp.isfinite(step) & (step > 0)
+        step = jnp.where(usable, step, 1.0)
+        level += jnp.where(usable, jnp.log(step / jnp.clip(step, low, high)),
+                           0.0)
       u = level + 0.1 * jax.random.normal(k_jitter, shape, mu.dtype)
     else:
       u = jax.random.uniform(k_level, (), mu.dtype, low, high) + (

@@ -99,25 +99,37 @@ def _check_memory(fn: str, families, task: ridge.Task, layers: int,
 
 
 def _model_rows(fn: str, model: Model, task: ridge.Task) -> Array:
-  """The model's compared predictions ``[S, B, Q]`` (layers 1.., or the final only)."""
+  """The model's compared predictions ``[S, B, Q]`` (layers 1.., or the final only).
+
+  Any array-like the model returns (a list of ``[B, Q]`` rows, say) is read
+  as ``jnp.asarray`` reads it.
+  """
   B, Q = task.x_query.shape[:2]
-  out = jax.eval_shape(model, task)
+  out = model(task)
+  try:
+    out = jnp.asarray(out)
+  except (TypeError, ValueError):
+    raise TypeError(f"{fn}: the model must return predictions [B, Q] or [S, "
+                    f"B, Q] (an array or array-like), got "
+                    f"{type(out).__name__}.") from None
   shape = out.shape
   if out.dtype != task.x.dtype:
     raise TypeError(f"{fn}: the model returns {out.dtype} predictions on "
                     f"{task.x.dtype} tasks; return the tasks' dtype (cast "
                     "inside the model, as from_model does).")
   if shape == (B, Q):
-    return model(task)[None]
+    return out[None]
   if len(shape) == 3 and shape[1:] == (B, Q) and shape[0] >= 2:
-    return model(task)[1:]
+    return out[1:]
   raise ValueError(f"{fn}: the model must return [B, Q] = {[B, Q]} or [S >= 2, "
                    f"B, Q] predictions, got shape {shape}.")
 
 
-def _finite_rows(fn: str, name: str, rows) -> np.ndarray:
-  """``rows [S, B, Q]`` on the host, ``ValueError`` naming the tasks (axis 1)
-  where the model's predictions are NaN or infinite."""
+def _comparable_rows(fn: str, name: str, rows) -> np.ndarray:
+  """``rows [S, B, Q]`` on the host; ``ValueError`` naming the tasks (axis 1)
+  where the model's predictions are NaN or infinite, or where all of them
+  are zero: every disagreement is relative to their norm
+  (``D = sum (f - g)^2 / sum g^2``), undefined at ``g = 0``."""
   rows = np.asarray(rows)
   bad = np.flatnonzero(~np.all(np.isfinite(rows), axis=(0, 2)))
   if bad.size:
@@ -126,6 +138,11 @@ def _finite_rows(fn: str, name: str, rows) -> np.ndarray:
                      f"(NaN or inf) on {bad.size} of {rows.shape[1]} tasks "
                      f"(indices {shown}); no family can be compared with "
                      "them.")
+  if not np.any(rows):
+    raise ValueError(f"{fn}: the model's predictions on {name} are all zero "
+                     "(every compared layer): the disagreement D is relative "
+                     "to their norm, undefined here, and every family at a "
+                     "step size -> 0 matches them; no family can be ranked.")
   return rows
 
 
@@ -152,6 +169,25 @@ def _mean_top_eigenvalue(task: ridge.Task, lam) -> Array:
   return jnp.mean(algorithms.eigen_bounds(task.x, lam=lam)[1])
 
 
+def _first_step(task: ridge.Task, first: Array, iterations: Array) -> Array:
+  r"""The GD step size that the model's first compared layer suggests.
+
+  GD's iterate ``k`` from ``w = 0`` is ``k eta b`` to first order in ``eta``
+  (exactly at ``k = 1``), ``b = X^T y / N``: the least-squares ``eta`` of
+  ``first [B, Q] ~ iterations eta X_q b``,
+
+  .. math::
+    \hat\eta = \frac{\langle g_1, X_q b\rangle}{k \, \|X_q b\|^2},
+
+  the scale of every step-size start (:meth:`Parameter.start`). NaN or
+  negative where the layer is nothing like a GD step.
+  """
+  b = jnp.einsum("bnd,bn->bd", task.x, task.y,
+                 precision="highest") / task.x.shape[-2]
+  p = jnp.einsum("bqd,bd->bq", task.x_query, b, precision="highest")
+  return jnp.sum(first * p) / (iterations * jnp.sum(p * p))
+
+
 # XLA's backend optimisations at level 0: on CPU they halve the compile time
 # of a family's fit (3.2 s against 6.2 s) and double its run time (0.9 s
 # against 0.4 s), one measurement on 2 shared cores; compiling dominates.
@@ -168,7 +204,9 @@ def _fit_and_judge(family: Family, task: ridge.Task, target: Array,
   ``target [S, B, Q]``: the model's predictions at the compared layers;
   ``rows [C, S]`` (traced ints): per candidate, the family's iterate held
   against each layer, all ``<= loops``. The candidate with the lowest loss
-  (the first within a relative 1e-6 of it) is the fit. Returns ``(values,
+  (the first within a relative 1e-6 of it) is the fit. The step-size
+  starts are scaled per candidate by the GD step its first row suggests
+  (:func:`_first_step`). Returns ``(values,
   candidate, losses [C], outputs)``, ``outputs`` from :func:`_outputs` on
   ``test_task``.
 
@@ -188,9 +226,10 @@ def _fit_and_judge(family: Family, task: ridge.Task, target: Array,
     value = jnp.sum(residual(u, rows) ** 2)
     return jnp.where(jnp.isfinite(value), value, jnp.inf)
 
-  def start(k):
+  def start(k, rows):
     keys = jax.random.split(k, len(family.parameters))
-    return {p.name: p.start(kp, mu, d, loops)
+    step = _first_step(task, target[0], rows[0]) * mu
+    return {p.name: p.start(kp, mu, d, loops, step)
             for p, kp in zip(family.parameters, keys)}
 
   tx = optax.chain(optax.zero_nans(), optax.clip_by_global_norm(1.0),
@@ -236,7 +275,7 @@ def _fit_and_judge(family: Family, task: ridge.Task, target: Array,
     return unravel(jax.lax.scan(step, carry, None, length=lm_steps)[0][0])
 
   def one(k, rows):
-    u = start(k)
+    u = start(k, rows)
     if adam_steps:  # static: without Adam its gradient is not even traced
       u = adam(u, rows)
     u = levenberg_marquardt(u, rows)
@@ -369,8 +408,8 @@ def _evaluate(fn: str, model: Model, fit_task: ridge.Task,
             training.query_sensitivity(final, task),
             jax.vmap(lambda xq: final(task._replace(x_query=xq)))(probes))
   fit_rows, rows, sens, probe_preds = jax.jit(outputs)(fit_task, task, probes)
-  _finite_rows(fn, "fit_tasks", fit_rows)
-  rows = _finite_rows(fn, "test_tasks", rows)
+  _comparable_rows(fn, "fit_tasks", fit_rows)
+  rows = _comparable_rows(fn, "test_tasks", rows)
   return fit_rows, _Reference(task, np.asarray(rows, np.float64),
                               np.asarray(sens, np.float64), probes,
                               _implicit_weights(probes, probe_preds))
@@ -441,7 +480,7 @@ def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
 
   Args:
     model: ``task -> [B, Q]`` or ``[S, B, Q]`` (rows ``1..S-1`` compared), in
-      the tasks' dtype.
+      the tasks' dtype, an array or array-like (``jnp.asarray``).
     family: an entry of :data:`FAMILIES`.
     fit_tasks: the tasks the parameters are fitted on (float32 or float64).
     iterations: the family's iterations per compared layer: an int (the same
@@ -464,9 +503,11 @@ def fit(model: Model, family: Family, fit_tasks: ridge.Task, *,
 
   Raises:
     TypeError: a wrong type or dtype (tasks not float32/float64 or of two
-      dtypes, predictions of another dtype than the tasks').
+      dtypes, predictions of another dtype than the tasks' or not
+      array-like).
     ValueError: a bad value, tasks of different ``d``, predictions that are
-      not finite (naming the tasks), or a request larger than memory.
+      not finite (naming the tasks) or all zero (``D`` is relative to their
+      norm), or a request larger than memory.
   """
   fn = "decompile.fit"
   if not isinstance(family, Family):

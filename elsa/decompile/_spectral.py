@@ -381,8 +381,9 @@ def spectral(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
   rows = jax.jit(lambda a, b: (_fitting._model_rows(fn, model, a),
                                _fitting._model_rows(fn, model, b)))
   target, held = rows(fit_tasks, test_tasks)
-  target = _fitting._finite_rows(fn, "fit_tasks", target).astype(np.float64)
-  held = _fitting._finite_rows(fn, "test_tasks", held).astype(np.float64)
+  target = _fitting._comparable_rows(fn, "fit_tasks", target).astype(
+      np.float64)
+  held = _fitting._comparable_rows(fn, "test_tasks", held).astype(np.float64)
   fit, test = _data(fit_tasks), _data(test_tasks)
   lo, hi = float(np.min(fit.evals)), float(np.max(fit.evals))
   if not hi > lo:
