@@ -513,8 +513,14 @@ class TaskFamily:
                                         "d", d, low=1))
 
   def sample(self, key: Array, *, batch: int, n_train: int, d: int,
-             n_query: int = 1, dtype=None) -> ridge.Task:
+             n_query: int = 1, dtype=None, input_mask: Array | None = None
+             ) -> ridge.Task:
     """``batch`` prompts of ``n_train`` examples and ``n_query`` queries in ``d`` dimensions.
+
+    ``input_mask`` (``[d]``, may be traced): multiplies every input before
+    the labels are drawn, so a 0/1 mask of the first ``d'`` coordinates gives
+    prompts of a ``d'``-dimensional task at width ``d`` (Garg et al.'s
+    curriculum, :meth:`elsa.curriculum.Curriculum.input_mask`).
 
     Raises:
       TypeError: a size that is not an int, a dtype that is not floating.
@@ -527,12 +533,18 @@ class TaskFamily:
                                  ("d", d), ("n_query", n_query))}
     dtype = _validate.floating_dtype(fn, dtype)
     self._check_sizes(fn, sizes["d"])
+    if input_mask is not None:
+      _validate.floating(fn, "input_mask", input_mask)
+      if jnp.shape(input_mask) != (sizes["d"],):
+        raise ValueError(f"{fn}: input_mask must be [d] = [{sizes['d']}], got "
+                         f"shape {jnp.shape(input_mask)}.")
+      input_mask = jnp.asarray(input_mask, dtype)
     rows = sizes["n_train"] + sizes["n_query"]
     _validate.fits_memory(fn, _validate.array_bytes(
         dtype, (batch, rows, d + 1), (batch, d)) + self._label_bytes(
             sizes["batch"], rows, sizes["d"], dtype),
                           {**sizes, **self.options()})
-    return _sample(self, key, dtype=dtype, **sizes)
+    return _sample(self, key, input_mask, dtype=dtype, **sizes)
 
   def _check_sizes(self, fn: str, d: int) -> None:
     del fn, d
@@ -567,9 +579,12 @@ class TaskFamily:
 
 @functools.partial(jax.jit, static_argnames=("family", "batch", "n_train", "d",
                                              "n_query", "dtype"))
-def _sample(family: TaskFamily, key, *, batch, n_train, d, n_query, dtype):
+def _sample(family: TaskFamily, key, input_mask, *, batch, n_train, d,
+            n_query, dtype):
   kx, ky = jax.random.split(key)
   x = family._inputs(kx, (batch, n_train + n_query, d), dtype)  # pylint: disable=protected-access
+  if input_mask is not None:
+    x = x * input_mask
   y, w = family._labels(ky, x, dtype)  # pylint: disable=protected-access
   if w is None:
     w = jnp.full((batch, d), jnp.nan, dtype)

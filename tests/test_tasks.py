@@ -400,3 +400,30 @@ def test_sizes_that_cannot_fit_are_refused_before_allocation():
   with pytest.raises(ValueError, match="tasks.mlp_adam: hidden=1000000000.* "
                      "need at least"):
     tasks.mlp_adam(task, hidden=10**9)
+
+
+@pytest.mark.parametrize("name", ["linear", "relu_2nn", "decision_tree"])
+def test_an_input_mask_gives_the_task_of_fewer_dimensions(name):
+  """Garg et al.'s curriculum at width d: the coordinates beyond d' are 0
+  and the labels are those of the first d' coordinates alone (the same
+  draw otherwise, so under jit with a traced mask too)."""
+  family, d, d_small = tasks.get(name), 5, 2
+  mask = jnp.arange(d) < d_small
+  key = jax.random.key(3)
+  full = family.sample(key, batch=4, n_train=6, d=d, dtype=jnp.float64)
+  masked = jax.jit(lambda m: family.sample(
+      key, batch=4, n_train=6, d=d, dtype=jnp.float64, input_mask=m))(
+          mask.astype(jnp.float64))
+  np.testing.assert_array_equal(masked.x[..., d_small:], 0)
+  np.testing.assert_array_equal(masked.x[..., :d_small],
+                                full.x[..., :d_small])
+  if name == "linear":  # y = x w: the masked prompt uses w's first d' rows
+    want = np.einsum("bmd,bd->bm", np.asarray(full.x)[..., :d_small],
+                     np.asarray(full.w_true)[:, :d_small])
+    np.testing.assert_allclose(masked.y, want[:, :6], rtol=1e-12)
+  # The labels change with the masked coordinates of the full prompt only.
+  assert not np.allclose(masked.y, full.y)
+  with pytest.raises(ValueError, match=r"input_mask must be \[d\] = \[5\]"):
+    family.sample(key, batch=4, n_train=6, d=d, input_mask=jnp.ones(4))
+  with pytest.raises(TypeError, match="input_mask"):
+    family.sample(key, batch=4, n_train=6, d=d, input_mask=jnp.ones(5, int))
