@@ -506,6 +506,66 @@ def train_grid_steps(states: TrainState, key: Array, *, graphdef,
   return states, losses.T
 
 
+# --- every prefix at once: Garg et al.'s interleaved prompts -----------------
+
+
+def interleave(x: Array, y: Array) -> Array:
+  """Garg et al.'s prompt ``x_1, y_1, x_2, y_2, ...`` as tokens ``[..., 2N, d + 1]``.
+
+  ``x [..., N, d]``, ``y [..., N]``: token ``2i`` is ``(x_i, 0)`` and token
+  ``2i + 1`` is ``(0, ..., 0, y_i)``, so the model tells the two kinds apart
+  by where they are nonzero. A causal model's output at token ``2i`` has
+  seen the examples ``< i`` and ``x_i``: one pass predicts every prefix
+  (:func:`prefix_predictions`).
+  """
+  fn = "training.interleave"
+  _validate.floating(fn, "x", x)
+  _validate.same_dtype(fn, "y", y, "x", x)
+  if jnp.ndim(x) < 2 or jnp.shape(y) != jnp.shape(x)[:-1]:
+    raise ValueError(f"{fn}: x must be [..., N, d] and y [..., N], got "
+                     f"shapes {jnp.shape(x)} and {jnp.shape(y)}.")
+  zeros = jnp.zeros((*jnp.shape(y), 1), jnp.result_type(x))
+  x_tokens = jnp.concatenate([x, zeros], axis=-1)
+  y_tokens = jnp.concatenate([jnp.zeros_like(x), y[..., None]], axis=-1)
+  tokens = jnp.stack([x_tokens, y_tokens], axis=-2)  # [..., N, 2, d + 1]
+  return tokens.reshape(*jnp.shape(x)[:-2], 2 * jnp.shape(x)[-2], -1)
+
+
+def prefix_predictions(model: Callable[[Array], Array], x: Array, y: Array
+                       ) -> Array:
+  """``[..., N]``: the prediction for ``y_i`` read at token ``x_i`` of
+  ``model(interleave(x, y))`` (its first output column): from the examples
+  ``< i`` when ``model`` is causal. ``model``: ``[..., 2N, d + 1] -> [..., 2N,
+  d_out]``, e.g. :class:`elsa.nn.Transformer`."""
+  out = model(interleave(x, y))
+  if jnp.ndim(out) != jnp.ndim(x) or jnp.shape(out)[-2] != 2 * jnp.shape(x)[-2]:
+    raise ValueError(f"training.prefix_predictions: the model must map "
+                     f"[..., 2N, d + 1] tokens to [..., 2N, d_out]; for x "
+                     f"{jnp.shape(x)} it returned {jnp.shape(out)}.")
+  return out[..., 0::2, 0]
+
+
+def prefix_errors(model: Callable[[Array], Array], x: Array, y: Array, *,
+                  scale=1.0) -> Array:
+  """Squared errors ``(prediction_i - y_i)^2 / scale``, ``[..., N]``: at
+  ``i`` examples in context, for error-against-examples curves (``scale``:
+  Garg et al.'s normaliser, :meth:`elsa.tasks.TaskFamily.error_scale`)."""
+  return (prefix_predictions(model, x, y) - y) ** 2 / scale
+
+
+def prefix_loss(model: Callable[[Array], Array], x: Array, y: Array, *,
+                scale=1.0) -> Array:
+  r"""The prefix-averaged loss, a scalar: every prefix of every prompt trained at once.
+
+  .. math::
+    \frac{1}{BN} \sum_{b, i} (\hat y_{bi} - y_{bi})^2 / \mathrm{scale},
+
+  with :math:`\hat y_{bi}` read at token ``x_i`` (:func:`prefix_predictions`),
+  as Garg et al. (2022) train. Under a curriculum, average
+  :func:`prefix_errors` with :meth:`elsa.curriculum.Curriculum.mean`."""
+  return jnp.mean(prefix_errors(model, x, y, scale=scale))
+
+
 # --- baselines: predictions [B, Q] from the same tasks -------------------------
 
 
