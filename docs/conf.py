@@ -70,6 +70,9 @@ html_theme_options = {
     "show_toc_level": 2,
     "navigation_with_keys": False,
 }
+# docs/_static/custom.css: wide code blocks scroll horizontally.
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 
 # The notebook pages are copies of experiments/*.ipynb, made here at every build
 # into docs/notebooks/ (ignored by git) with an "Open in Colab" badge under the
