@@ -443,6 +443,18 @@ def mesh(shape: Sequence[int] | None = None,
   return Mesh(devices.reshape(shape or devices.shape), tuple(axis_names))
 
 
+def batch_sharding() -> Callable[[jax.Array], jax.Array]:
+  """A function that splits an array's leading (batch) axis over this
+  process's devices, inside a jitted program (``with_sharding_constraint``;
+  under ``vmap`` the mapped axis stays whole); the identity on one device."""
+  devices = jax.local_devices()
+  if len(devices) == 1:
+    return lambda x: x
+  split = NamedSharding(Mesh(np.array(devices), ("batch",)),
+                        PartitionSpec("batch"))
+  return lambda x: jax.lax.with_sharding_constraint(x, split)
+
+
 def put(array, sharding: NamedSharding) -> jax.Array:
   """A global array from the same host array on every process (each keeps
   only its devices' shards)."""

@@ -344,3 +344,41 @@ def algorithm_layers(results: dict) -> Figure:
             title=f"kappa = {last['kappa']:g}")
   right.legend(fontsize=6, ncol=2)
   return fig
+
+
+# The field's protocol (experiments/prefix_protocol.py).
+
+
+def error_vs_examples(title: str, models: dict, references: dict, *,
+                      metric: str = "error") -> Figure:
+  """Garg et al.'s figure 2: ``metric`` against the number of in-context
+  examples, each model a solid line with its standard-error band (over
+  seeds), each reference a thinner dashed line (the error axis stops at 1.2
+  times the models' highest point, or 1.25). ``models`` and
+  ``references``: ``{name: {metric: {"curve": [N], "se": [N]}}}``."""
+  fig = Figure(figsize=(6, 4), layout="constrained")
+  ax = fig.add_subplot()
+  top = 1.25  # 1.0 is predicting zero
+  for name, curves in models.items():
+    if metric not in curves:
+      continue
+    curve, se = (_floats(curves[metric][k]) for k in ("curve", "se"))
+    top = max(top, 1.2 * float(np.nanmax(curve, initial=0)))
+    i = np.arange(len(curve))
+    (line,) = ax.plot(i, curve, linewidth=2, label=name)
+    ax.fill_between(i, curve - se, curve + se, color=line.get_color(),
+                    alpha=0.25, linewidth=0)
+  styles = iter([(c, ls) for ls in ("--", "-.", ":") for c in (
+      "black", "grey", "tab:olive", "tab:cyan", "tab:brown", "tab:pink",
+      "tab:purple")])
+  for name, curves in references.items():
+    if metric in curves:
+      color, linestyle = next(styles)
+      ax.plot(_floats(curves[metric]["curve"]), linestyle=linestyle,
+              linewidth=1, color=color, label=name)
+  label = ("normalised squared error" if metric == "error" else metric)
+  ax.set(xlabel="in-context examples", ylabel=label, title=title)
+  if metric == "error":  # least squares' peak at d examples would flatten all
+    ax.set_ylim(0, top)
+  ax.legend(fontsize=7, ncol=2)
+  return fig

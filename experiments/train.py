@@ -68,6 +68,7 @@ from experiments import distributed
 from experiments import evaluation
 from experiments import grid_training
 from experiments import plotting
+from experiments import prefix_protocol
 from experiments import tables
 from experiments import tracking
 from experiments import train_checks
@@ -77,7 +78,6 @@ from experiments import workdirs
 # and its models, the run's tasks and models, the compiled GD-from-mu stack.
 from experiments.checkpoints import finished_run, load_trained, trained_model  # pylint: disable=unused-import
 from experiments.evaluation import compiled_gd_from  # pylint: disable=unused-import
-from experiments.train_checks import validate
 from experiments.train_setup import MODELS, task_spec  # pylint: disable=unused-import
 
 
@@ -108,6 +108,16 @@ def _run_task_runs(config, workdir: str, *, overwrite: bool) -> dict:
           for name, sub in subs.items()}
 
 
+def validate(config: ml_collections.ConfigDict) -> None:
+  """The config checked whole before any work: the field's protocol
+  (:func:`experiments.prefix_protocol.validate`) or the stacks' runs
+  (:func:`experiments.train_checks.validate`)."""
+  if config.get("protocol") == "prefix":
+    prefix_protocol.validate(config)
+  else:
+    train_checks.validate(config)
+
+
 def run(config: ml_collections.ConfigDict, workdir: str, *,
         overwrite: bool = False) -> dict:
   """Trains, tunes, evaluates, writes ``results.json`` and figures; resumes or skips.
@@ -115,6 +125,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   Returns:
     The results dict (what ``results.json`` holds).
   """
+  if config.get("protocol") == "prefix":  # experiments/configs/prefix.py
+    return prefix_protocol.run(config, workdir, overwrite=overwrite)
   if config.get("task_runs"):
     return _run_task_runs(config, workdir, overwrite=overwrite)
   groups, shards = distributed.agree("validate", train_checks.check_devices, config)

@@ -294,6 +294,17 @@ class Workdir:
                           + way_out(path)) from None
     return self.unseal(path, arrays)
 
+  def remove(self, name: str) -> None:
+    """Deletes the file ``name`` the driver wrote, if it is there (state
+    that a finished output has made useless)."""
+    _delete(self.root, name)
+
+  def write_text(self, name: str, text: str) -> None:
+    """Writes ``text`` (UTF-8) as ``name``, atomically (a table: for reading,
+    never read back)."""
+    self.own(name)
+    _atomic_write(self.path(name), lambda f: f.write(text.encode()))
+
   def save_figure(self, fig, name: str) -> None:
     """Saves a matplotlib figure as ``name`` (PNG), atomically."""
     self.own(name)

@@ -34,6 +34,10 @@ Variants (``--config=experiments/configs/train.py:NAME``):
   depth 1, 20 steps, 32 test prompts): seconds a family, a minute or so in
   all (tests and a first look).
 
+* ``prefix_cpu``, ``prefix_tiny``, ``field``, ``field.tiny``: the field's
+  protocol, a transformer with each attention kind against every family's
+  baselines at every prompt length (``experiments/configs/prefix.py``).
+
 ``--config.dtype=float64`` runs in float64; it needs JAX's 64-bit mode
 (``JAX_ENABLE_X64=1 python -m experiments.train ...``).
 
@@ -46,16 +50,20 @@ import ml_collections
 
 from elsa import tasks as task_families
 from experiments import checks
+from experiments.configs import prefix
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The default training run, or the variant ``arg`` (``tiny``, ``grid``,
-  ``vonoswald``, ``tasks``, ``tasks.tiny``, or ``tasks.RUN``: one run of
-  ``tasks``)."""
+  ``vonoswald``, ``tasks``, ``tasks.tiny``, ``tasks.RUN``: one run of
+  ``tasks``, or a protocol variant of :mod:`experiments.configs.prefix`)."""
+  if arg in prefix.VARIANTS:
+    return prefix.get_config(arg)
   only = None
   if arg and arg.startswith("tasks."):  # one run, or the tiny form, of tasks
     arg, only = "tasks", arg[len("tasks."):]
-  arg = checks.variant("train", arg, ("tiny", "grid", "vonoswald", "tasks"))
+  arg = checks.variant("train", arg, ("tiny", "grid", "vonoswald", "tasks",
+                                      *prefix.VARIANTS))
   config = ml_collections.ConfigDict()
   config.seed = 0
   # The task: "ridge" (the fields below, with shifts) or a family of
