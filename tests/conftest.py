@@ -81,6 +81,23 @@ def pytest_collection_modifyitems(items):
   items.sort(key=rank)  # stable: each file's own order is kept
 
 
+@pytest.fixture
+def no_cache_writes():
+  """Nothing compiled in the test is written to the persistent cache.
+
+  For the files that build transformers (``pytestmark``): XLA:CPU (jax
+  0.10.2) segfaulted serialising their executables into the cache, in
+  ``compilation_cache.put_executable_and_time``, late in a long-lived xdist
+  worker (never when the file ran alone); the write is skipped, not the
+  read. ``jax_persistent_cache_min_compile_time_secs`` is read at every
+  write, so raising it for the test is enough.
+  """
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+  yield
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
 @pytest.fixture(params=["eager", "jit"])
 def variant(request):
   """A test runs once calling the function directly and once under

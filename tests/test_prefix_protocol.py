@@ -24,6 +24,10 @@ from experiments import workdirs
 from experiments.configs import train as train_configs
 from test_decompile_driver import _as_a_user
 
+# conftest.no_cache_writes: XLA:CPU segfaulted writing transformer programs
+# to the persistent cache in a long-lived worker.
+pytestmark = pytest.mark.usefixtures("no_cache_writes")
+
 
 def _config(variant="prefix_tiny", **overrides):
   config = train_configs.get_config(variant)

@@ -265,6 +265,10 @@ _PURE_FORM = r"""
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 import elsa
+
+# conftest.no_cache_writes: XLA:CPU segfaulted writing transformer programs
+# to the persistent cache in a long-lived worker.
+pytestmark = pytest.mark.usefixtures("no_cache_writes")
 task = elsa.tasks.get("linear").sample(jax.random.key(0), batch=4, n_train=6,
                                        d=3, n_query=1, dtype=jnp.float64)
 for attention in elsa.nn.ATTENTION:
