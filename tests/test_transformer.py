@@ -24,6 +24,10 @@ from elsa import ElsaParams
 from helpers import rel_err
 from test_decompile_driver import _as_a_user
 
+# conftest.no_cache_writes: XLA:CPU segfaulted writing transformer programs
+# to the persistent cache in a long-lived worker.
+pytestmark = pytest.mark.usefixtures("no_cache_writes")
+
 F64_RTOL = 1e-10
 # float32 bound for MultiHeadElsa against the float64 reference: the worst
 # relative error measured over the cases of test_heads_match_numpy was
@@ -266,9 +270,6 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 import elsa
 
-# conftest.no_cache_writes: XLA:CPU segfaulted writing transformer programs
-# to the persistent cache in a long-lived worker.
-pytestmark = pytest.mark.usefixtures("no_cache_writes")
 task = elsa.tasks.get("linear").sample(jax.random.key(0), batch=4, n_train=6,
                                        d=3, n_query=1, dtype=jnp.float64)
 for attention in elsa.nn.ATTENTION:
