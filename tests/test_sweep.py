@@ -317,9 +317,19 @@ def test_configs_name_their_command():
     first = (module.__doc__ or "").strip().splitlines()[0]
     assert first.startswith("python -m experiments."), (name, first)
     driver = first.split()[2].split(".")[1]
-    if name != driver:  # not the driver's default config: name it
-      assert f"--config=experiments/configs/{name}.py" in first, (name, first)
-    module.get_config()  # builds
+    if name == driver:
+      module.get_config()  # builds
+      continue
+    # Not the driver's default config: its command names a config file and
+    # variant that build (configs/prefix.py's variants are train.py's).
+    flag = next(w for w in first.split() if w.startswith("--config="))
+    path, _, variant = flag[len("--config="):].partition(":")
+    with open(os.path.join(REPO, path), encoding="utf-8") as source:
+      assert path == f"experiments/configs/{name}.py" or (
+          f"from experiments.configs import {name}" in source.read()), (
+              name, first)
+    importlib.import_module(path[:-3].replace("/", ".")).get_config(
+        variant or None)  # builds
 
 
 def test_other_processes_take_process_0s_word_on_what_is_done(tmp_path,
