@@ -1,8 +1,8 @@
-r"""Measured speed: the ELSA primitive, deep stacks, the sweep kernel, the training step.
+r"""Measured speed: the ELSA primitive, deep stacks, the sweep kernel, the training step, causal ELSA, the transformer.
 
   python -m experiments.benchmark --workdir=runs/benchmark
 
-Four parts, each a list of rows in ``results.json`` and a printed table:
+Six parts, each a list of rows in ``results.json`` and a printed table:
 
 1. ``primitive``: ``elsa(p, h)`` under ``jit`` for ``h [m, n]``, ``k = v = n``,
    against (a) a plain ``jnp.matmul`` ``[m, n] @ [n, F]`` with the same FLOP
@@ -46,9 +46,22 @@ Four parts, each a list of rows in ``results.json`` and a printed table:
    the default train config's ELSA stack. FLOPs per call are XLA's cost
    analysis of each compiled function; each row checks that both sides give
    the same loss and gradient.
+5. ``causal``: ``elsa(p, h, causal=True)`` (by chunks, ``O(m)`` memory)
+   against the masked quadratic order of attention code,
+   ``(tril * Q K^T) V`` (run only where it fits ``quadratic_budget_gib``),
+   and against the non-causal ``elsa(p, h)``, at several ``m`` with the
+   default chunk; then the chunk swept at one ``m``. Each row checks the
+   causal output against the masked quadratic one (``max_rel_err``).
+6. ``transformer``: one training step (forward, backward, Adam) of
+   :class:`elsa.nn.Transformer` on Garg et al.'s interleaved prompts with
+   the prefix-averaged loss (:func:`elsa.training.prefix_loss`), for each
+   attention kind (``elsa``, ``lsa``, ``softmax``; nothing else differs),
+   timed in the same rounds, at several prompt lengths; the ratios are to
+   the softmax step.
 
 ``config.parts`` names the parts that run (:data:`PARTS`). Parts 1 and 3 run
-in every dtype of ``config.dtypes``, part 2 in the first, part 4 in float32.
+in every dtype of ``config.dtypes``, part 2 in the first, parts 4-6 in
+float32.
 Every ratio ("fraction of X", "speedup over Y", "X / Y time") is the median of
 per-round ratios, both sides timed in the same round (:func:`time_rounds`),
 reported with its spread (min and max over the rounds): on a shared machine a
@@ -75,7 +88,10 @@ import ml_collections
 import numpy as np
 import optax
 
+from flax import nnx
+
 import elsa
+from elsa import nn
 from elsa import ridge
 from elsa import training
 from experiments import checks
@@ -660,6 +676,144 @@ def run_train(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return dict(rows=rows)
 
 
+# --- part 5: causal ELSA by chunks -------------------------------------------
+
+
+def masked_quadratic_elsa(p: elsa.ElsaParams, h: jax.Array) -> jax.Array:
+  """Causal ``elsa(p, h)`` in the order of attention code: ``(tril * Q K^T) V``."""
+  q, k, v = h @ p.w3 + p.b3, h @ p.w1 + p.b1, h @ p.w2 + p.b2
+  m = h.shape[-2]
+  return jnp.where(jnp.tril(jnp.ones((m, m), bool)), q @ k.T, 0) @ v
+
+
+def causal_row(m: int, n: int, chunk: int | None,
+               config: ml_collections.ConfigDict, *, compare: bool = True
+               ) -> dict[str, Any]:
+  """Causal ELSA by chunks against the masked quadratic order and the
+  non-causal primitive at one ``(m, n, chunk)``, float32, timed in the same
+  rounds (``compare=False``: the causal form alone, for the chunk sweep)."""
+  k = v = n
+  dtype = jnp.dtype(jnp.float32)
+  rng = np.random.default_rng(config.seed)
+  p = random_params(rng, m=m, n=n, k=k, scale=n ** -0.5, dtype=dtype)
+  h = normal(rng, (m, n), dtype)
+  causal = jax.jit(functools.partial(elsa.elsa, causal=True, chunk=chunk)
+                   ).lower(p, h).compile()
+  calls = dict(causal=lambda: causal(p, h))
+  row = dict(m=m, n=n, k=k, v=v, chunk=chunk or elsa.attention.DEFAULT_CHUNK,
+             dtype=dtype.name)
+  if compare:
+    full = jax.jit(elsa.elsa).lower(p, h).compile()
+    calls["non_causal"] = lambda: full(p, h)
+    slow = jax.jit(masked_quadratic_elsa).lower(p, h).compile()
+    needed = allocated_bytes(slow)
+    if needed is None:  # No memory analysis: the [m, m] scores and mask.
+      needed = 2 * m * m * dtype.itemsize
+    row["masked_quadratic"] = dict(bytes=needed)
+    if needed > config.quadratic_budget_gib * _GIB:
+      row["masked_quadratic"]["skipped"] = (
+          f"needs {needed / _GIB:.2f} GiB > budget "
+          f"{config.quadratic_budget_gib} GiB")
+    else:
+      calls["masked_quadratic"] = lambda: slow(p, h)
+      want = slow(p, h)
+      row["max_rel_err"] = float(jnp.max(jnp.abs(causal(p, h) - want))
+                                 / jnp.max(jnp.abs(want)))
+  times = time_rounds(calls, config=config)
+  row["causal"] = dict(timing(times["causal"]), bytes=allocated_bytes(causal))
+  if compare:
+    row["non_causal"] = timing(times["non_causal"])
+    row["causal_over_non_causal"] = per_round(times["causal"]
+                                              / times["non_causal"])
+    if "masked_quadratic" in times:
+      row["masked_quadratic"].update(timing(times["masked_quadratic"]))
+      row["speedup_vs_masked_quadratic"] = per_round(
+          times["masked_quadratic"] / times["causal"])
+    else:
+      row["speedup_vs_masked_quadratic"] = None
+  return row
+
+
+def run_causal(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Part 5: rows at every ``m`` of ``causal_tokens`` (the default chunk),
+  then the chunk sweep at ``causal_chunk_tokens``."""
+  n = config.causal_width
+  progress = cli.Progress(len(config.causal_tokens) + len(config.causal_chunks),
+                          name="causal", unit="cases", every_s=0.0)
+  rows, chunks = [], []
+  for m in config.causal_tokens:
+    rows.append(causal_row(m, n, None, config))
+    progress.update()
+  for chunk in config.causal_chunks:
+    chunks.append(causal_row(config.causal_chunk_tokens, n, chunk, config,
+                             compare=False))
+    progress.update()
+  return dict(rows=rows, chunks=chunks)
+
+
+# --- part 6: the transformer's training step per attention kind -------------
+
+
+def transformer_step(kind: str, n_points: int,
+                     config: ml_collections.ConfigDict):
+  """The compiled training step of a :class:`elsa.nn.Transformer` with
+  attention ``kind`` on ``n_points`` interleaved (x, y) pairs, and its
+  arguments: ``(compiled, args)``, ``compiled(*args) -> (params, opt_state,
+  loss)``."""
+  d = config.transformer_d
+  model = nn.Transformer(d + 1, 1, width=config.transformer_width,
+                         depth=config.transformer_depth,
+                         heads=config.transformer_heads,
+                         max_len=2 * n_points, attention=kind,
+                         rngs=nnx.Rngs(config.seed))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tx = optax.adam(1e-3)
+
+  def step(params, opt_state, x, y):
+    loss = lambda params: training.prefix_loss(
+        nnx.merge(graphdef, params, rest), x, y)
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  rng = np.random.default_rng(config.seed)
+  x = normal(rng, (config.transformer_batch, n_points, d), jnp.float32)
+  y = normal(rng, (config.transformer_batch, n_points), jnp.float32)
+  args = (params, tx.init(params), x, y)
+  return jax.jit(step).lower(*args).compile(), args
+
+
+def transformer_row(n_points: int, config: ml_collections.ConfigDict
+                    ) -> dict[str, Any]:
+  """The three attention kinds' training steps at one prompt length, timed
+  in the same rounds; ratios to softmax."""
+  steps = {kind: transformer_step(kind, n_points, config)
+           for kind in nn.ATTENTION}
+  calls = {kind: functools.partial(compiled, *args)
+           for kind, (compiled, args) in steps.items()}
+  times = time_rounds(calls, config=config)
+  row = dict(n_points=n_points, tokens=2 * n_points,
+             batch=config.transformer_batch, width=config.transformer_width,
+             depth=config.transformer_depth, heads=config.transformer_heads)
+  for kind, (compiled, _) in steps.items():
+    row[kind] = dict(timing(times[kind]), flops=step_flops(compiled),
+                     bytes=allocated_bytes(compiled))
+  for kind in ("elsa", "lsa"):
+    row[f"{kind}_over_softmax"] = per_round(times[kind] / times["softmax"])
+  return row
+
+
+def run_transformer(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Part 6: a row per prompt length of ``transformer_points`` (float32)."""
+  progress = cli.Progress(len(config.transformer_points), name="transformer",
+                          unit="cases", every_s=0.0)
+  rows = []
+  for n_points in config.transformer_points:
+    rows.append(transformer_row(n_points, config))
+    progress.update()
+  return dict(rows=rows)
+
+
 def _spread(ratio: dict[str, float] | None) -> str:
   """``median [min-max]`` of a per-round ratio, or ``-``."""
   if ratio is None:
@@ -674,7 +828,8 @@ def format_tables(results: dict[str, Any]) -> str:
     lines.append(f"square matmul {square['size']}^3 {square['dtype']}: "
                  f"{square['gflops']:.1f} GFLOP/s")
   tables = dict(primitive=_primitive_table, stack=_stack_table,
-                sweep=_sweep_table, train=_train_table)
+                sweep=_sweep_table, train=_train_table,
+                causal=_causal_table, transformer=_transformer_table)
   for part, table in tables.items():
     if part in results:
       lines.extend(table(results[part]))
@@ -757,6 +912,48 @@ def _train_table(part: dict[str, Any]) -> list[str]:
   return lines
 
 
+def _causal_table(part: dict[str, Any]) -> list[str]:
+  lines = ["causal elsa by chunks vs the masked quadratic (tril * Q K^T) V "
+           "and non-causal elsa (float32)",
+           f"{'n':>5} {'m':>7} {'chunk':>6} {'causal ms':>10} {'quad ms':>9} "
+           f"{'speedup vs quad':>22} {'non-causal ms':>14} "
+           f"{'causal / non-causal':>22} {'causal MiB':>11} {'max rel_err':>12}"]
+  for r in part["rows"]:
+    quad = r["masked_quadratic"]
+    quad_ms = ("skipped" if "skipped" in quad
+               else f"{quad['median_s'] * 1e3:.3g}")
+    mib = ("?" if r["causal"]["bytes"] is None
+           else f"{r['causal']['bytes'] / 2**20:.3g}")
+    err = f"{r['max_rel_err']:.2g}" if "max_rel_err" in r else "-"
+    lines.append(
+        f"{r['n']:>5} {r['m']:>7} {r['chunk']:>6} "
+        f"{r['causal']['median_s'] * 1e3:>10.3g} {quad_ms:>9} "
+        f"{_spread(r['speedup_vs_masked_quadratic']):>22} "
+        f"{r['non_causal']['median_s'] * 1e3:>14.3g} "
+        f"{_spread(r['causal_over_non_causal']):>22} {mib:>11} {err:>12}")
+  lines.append("chunk sweep: " + ", ".join(
+      f"chunk {r['chunk']} {r['causal']['median_s'] * 1e3:.3g} ms"
+      for r in part["chunks"]) + (f" (m={part['chunks'][0]['m']})"
+                                  if part["chunks"] else ""))
+  return lines
+
+
+def _transformer_table(part: dict[str, Any]) -> list[str]:
+  lines = ["transformer training step (prefix loss, backward, Adam) per "
+           "attention kind (float32); ratios to softmax",
+           f"{'tokens':>7} {'batch':>6} {'elsa ms':>8} {'lsa ms':>8} "
+           f"{'softmax ms':>11} {'elsa / softmax':>20} {'lsa / softmax':>20}"]
+  for r in part["rows"]:
+    lines.append(
+        f"{r['tokens']:>7} {r['batch']:>6} "
+        f"{r['elsa']['median_s'] * 1e3:>8.3g} "
+        f"{r['lsa']['median_s'] * 1e3:>8.3g} "
+        f"{r['softmax']['median_s'] * 1e3:>11.3g} "
+        f"{_spread(r['elsa_over_softmax']):>20} "
+        f"{_spread(r['lsa_over_softmax']):>20}")
+  return lines
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Refuses a config that cannot run, in one line naming the field.
 
@@ -776,6 +973,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
   checks.check_items(config, "unrolled_depths", integer=True, low=1,
                      allow_empty=True)
   checks.check_items(config, "train_lsa_depths", integer=True, low=1)
+  for field in ("causal_tokens", "causal_chunks", "transformer_points"):
+    checks.check_items(config, field, integer=True, low=1,
+                       allow_empty=field == "causal_chunks")
+  for field in ("causal_width", "causal_chunk_tokens", "transformer_d",
+                "transformer_width", "transformer_depth", "transformer_heads",
+                "transformer_batch"):
+    checks.check_int(config, field)
   for field in ("fit_min_tokens", "square_matmul_size", "stack_tokens",
                 "stack_width", "stack_components", "compile_reps",
                 "sweep_n_train", "sweep_d", "sweep_n_query", "sweep_depth",
@@ -805,6 +1009,23 @@ def validate(config: ml_collections.ConfigDict) -> None:
     checks.check_fits(min(config.quadratic_budget_gib * _GIB,
                           2 * itemsize * m * m),
                       fields="quadratic_budget_gib")
+  # Part 5: h, its projections and output, the causal state; the masked
+  # quadratic order up to its budget ([m, m] scores and the mask).
+  if "causal" in config.parts:
+    m = max(config.causal_tokens + (config.causal_chunk_tokens,))
+    checks.check_fits(16 * 4 * m * config.causal_width
+                      + min(config.quadratic_budget_gib * _GIB, 8 * m * m),
+                      fields="causal_tokens, causal_chunk_tokens, "
+                             "causal_width and quadratic_budget_gib")
+  # Part 6: per block, its activations and the softmax scores, kept for the
+  # backward pass, float32, three kinds, a few copies.
+  if "transformer" in config.parts:
+    m = 2 * max(config.transformer_points)
+    checks.check_fits(
+        3 * 16 * 4 * config.transformer_depth * config.transformer_batch
+        * m * (8 * config.transformer_width + config.transformer_heads * m),
+        fields="transformer_points, transformer_batch, transformer_width, "
+               "transformer_depth and transformer_heads")
   # Part 4: per layer and component the state, Q, K, V and the [m, m]
   # scores of the reference, kept for the backward pass, a few copies.
   def train_bytes(depth, train_config):
@@ -827,7 +1048,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 # What config.parts may name.
 PARTS = dict(primitive=run_primitive, stack=run_stack, sweep=run_sweep,
-             train=run_train)
+             train=run_train, causal=run_causal, transformer=run_transformer)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *,

@@ -1,4 +1,4 @@
-"""End-to-end check of experiments/benchmark.py on its quick config.
+"""End-to-end check of experiments/benchmark.py on its tiny config.
 
 Speed is measured by the benchmark, not asserted here: these tests check that
 the driver runs, writes every field of results.json, and that the figures are
@@ -21,8 +21,8 @@ from experiments.configs import benchmark as benchmark_config
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-  config = benchmark_config.get_config("quick")
+def tiny_run(tmp_path_factory):
+  config = benchmark_config.get_config("tiny")
   workdir = str(tmp_path_factory.mktemp("benchmark"))
   return config, workdir, benchmark.run(config, workdir)
 
@@ -38,22 +38,23 @@ def _per_round(ratio, config):
   assert config.min_reps <= ratio["rounds"] <= config.reps
 
 
-def test_results_file_matches_returned_results(quick_run):
-  config, workdir, results = quick_run
+def test_results_file_matches_returned_results(tiny_run):
+  config, workdir, results = tiny_run
   found = workdirs.read_json(os.path.join(workdir, "results.json"))
   assert found.pop("_check")["config_hash"] == checks.config_hash(
-      benchmark_config.get_config("quick"))
+      benchmark_config.get_config("tiny"))
   assert found == results
   assert set(results) >= {"machine", "square_matmul", "primitive", "stack",
-                          "sweep", "train", "load_average_after"}
+                          "sweep", "train", "causal", "transformer",
+                          "load_average_after"}
   assert results["machine"]["platform"] in ("cpu", "gpu", "tpu", "cuda", "rocm")
   squares = results["square_matmul"]
   assert [s["dtype"] for s in squares] == list(config.dtypes)
   assert all(_positive(s["gflops"]) for s in squares)
 
 
-def test_primitive_rows(quick_run):
-  config, _, results = quick_run
+def test_primitive_rows(tiny_run):
+  config, _, results = tiny_run
   rows = results["primitive"]["rows"]
   assert config.dtypes == ("float32", "float64")
   assert [(r["dtype"], r["n"], r["m"]) for r in rows] == [
@@ -92,8 +93,8 @@ def test_primitive_rows(quick_run):
     assert math.isfinite(fit["all_tokens"])
 
 
-def test_stack_rows(quick_run):
-  config, _, results = quick_run
+def test_stack_rows(tiny_run):
+  config, _, results = tiny_run
   stack = results["stack"]
   assert [r["depth"] for r in stack["scan"]] == list(config.stack_depths)
   assert [r["depth"] for r in stack["unrolled"]] == list(config.unrolled_depths)
@@ -105,8 +106,8 @@ def test_stack_rows(quick_run):
   assert ratio["rounds"] == config.compile_reps
 
 
-def test_sweep_rows(quick_run):
-  config, _, results = quick_run
+def test_sweep_rows(tiny_run):
+  config, _, results = tiny_run
   part = results["sweep"]
   assert part["form"] == config.sweep_form
   assert part["lams"] == list(config.sweep_lams)
@@ -146,7 +147,7 @@ def test_sweep_rows(quick_run):
 
 def test_sweep_config_gives_the_sweeps_stable_items():
   """The benchmark times experiments.sweep.grid_items, all eta below the limit."""
-  config = benchmark_config.get_config("quick")
+  config = benchmark_config.get_config("tiny")
   config.sweep_lams = (0.0, 0.5)
   config.sweep_eta_fractions = (0.25, 0.5, 0.9)
   sweep_config = benchmark.sweep_config(config, batch=3)
@@ -165,17 +166,18 @@ def test_sweep_config_gives_the_sweeps_stable_items():
                              * limit[:, None, :], rtol=1e-12)
 
 
-def test_rerun_reuses_results_and_other_config_is_refused(quick_run):
-  config, workdir, results = quick_run
+def test_rerun_reuses_results_and_other_config_is_refused(tiny_run):
+  config, workdir, results = tiny_run
   assert benchmark.run(config, workdir) == results  # no re-measurement
-  other = benchmark_config.get_config("quick")
+  other = benchmark_config.get_config("tiny")
   other.reps = 3
   with pytest.raises(ValueError, match="different config"):
     benchmark.run(other, workdir)
 
 
 def test_unknown_config_argument_and_bad_fields_are_refused(tmp_path):
-  with pytest.raises(ValueError, match="unknown argument 'quik'; known: 'quick'"):
+  with pytest.raises(ValueError,
+                     match="unknown argument 'quik'; known: 'tiny', 'quick'"):
     benchmark_config.get_config("quik")
   for field, value, message in (
       ("reps", 0, "reps"), ("tokens", (), "tokens"),
@@ -187,16 +189,18 @@ def test_unknown_config_argument_and_bad_fields_are_refused(tmp_path):
       ("parts", ("sweep_ab",), r"parts\[0\] must be one of"),
       ("train_lsa_depths", (0,), r"train_lsa_depths\[0\]"),
       ("train_elsa_batch", 0, "train_elsa_batch"),
+      ("causal_chunks", (0,), r"causal_chunks\[0\]"),
+      ("transformer_points", (), "transformer_points"),
       ("seed", 2 ** 63, "seed"),
       # The sweep part's items (2 x 10^7 here) must fit in memory too.
       ("sweep_batches", (10 ** 7,), "sweep_batches.*GiB.*make them smaller")):
-    config = benchmark_config.get_config("quick")
+    config = benchmark_config.get_config("tiny")
     config[field] = value
     with pytest.raises(checks.ConfigError, match=f"config[.:] ?{message}"):
       benchmark.run(config, str(tmp_path / "run"))
   # The quadratic order's budget is memory it may take: at m = 2^20 its
   # [m, m] scores need 8 TiB, so a budget that large cannot be met.
-  config = benchmark_config.get_config("quick")
+  config = benchmark_config.get_config("tiny")
   config.tokens, config.quadratic_budget_gib = (2 ** 20,), 2.0 ** 40
   with pytest.raises(checks.ConfigError,
                      match="config: quadratic_budget_gib need about .* GiB"):
@@ -204,21 +208,21 @@ def test_unknown_config_argument_and_bad_fields_are_refused(tmp_path):
   assert not os.path.exists(tmp_path / "run")
 
 
-def test_damaged_results_are_refused_by_name(quick_run, tmp_path):
-  _, workdir, _ = quick_run
+def test_damaged_results_are_refused_by_name(tiny_run, tmp_path):
+  _, workdir, _ = tiny_run
   copy = str(tmp_path / "copy")
   shutil.copytree(workdir, copy)
   with open(os.path.join(copy, "results.json"), "r+", encoding="utf-8") as f:
     f.truncate(100)
   with pytest.raises(workdirs.CorruptOutput,
                      match="results.json' is not valid JSON.*--overwrite"):
-    benchmark.run(benchmark_config.get_config("quick"), copy)
+    benchmark.run(benchmark_config.get_config("tiny"), copy)
 
 
-def test_train_rows(quick_run):
+def test_train_rows(tiny_run):
   """Our train step against the plain reference: the same loss and gradient
   (the reference is the same math), FLOPs from XLA, per-round ratios."""
-  config, _, results = quick_run
+  config, _, results = tiny_run
   rows = results["train"]["rows"]
   assert [(r["model"], r["depth"]) for r in rows] == [
       ("lsa_residual_trained", depth) for depth in config.train_lsa_depths
@@ -244,8 +248,46 @@ def test_train_rows(quick_run):
       assert ours == pytest.approx(ref, rel=0.01)
 
 
-def test_format_tables(quick_run):
-  _, _, results = quick_run
+def test_format_tables(tiny_run):
+  _, _, results = tiny_run
   text = benchmark.format_tables(results)
   assert "GFLOP/s" in text and "compile" in text and "sweep kernel" in text
   assert "train step on a drawn batch" in text
+
+
+def test_the_older_name_quick_is_the_tiny_config():
+  assert benchmark_config.get_config("quick") == benchmark_config.get_config(
+      "tiny")
+
+
+def test_causal_rows(tiny_run):
+  """Causal by chunks against the masked quadratic order (the same output,
+  float32) and non-causal ELSA at every m, then the chunk sweep."""
+  config, _, results = tiny_run
+  part = results["causal"]
+  assert [r["m"] for r in part["rows"]] == list(config.causal_tokens)
+  assert [r["chunk"] for r in part["chunks"]] == list(config.causal_chunks)
+  for r in part["rows"]:
+    # m = 100 is not a multiple of the default chunk (64): the padded tail
+    # is exact too. Measured float32 worst: 2.2e-7.
+    assert r["max_rel_err"] < 1e-5
+    assert _positive(r["causal"]["median_s"])
+    _per_round(r["speedup_vs_masked_quadratic"], config)
+    _per_round(r["causal_over_non_causal"], config)
+  assert all(r["m"] == config.causal_chunk_tokens
+             and _positive(r["causal"]["median_s"]) for r in part["chunks"])
+
+
+def test_transformer_rows(tiny_run):
+  config, _, results = tiny_run
+  rows = results["transformer"]["rows"]
+  assert [r["tokens"] for r in rows] == [2 * n for n in
+                                         config.transformer_points]
+  for r in rows:
+    for kind in ("elsa", "lsa", "softmax"):
+      assert _positive(r[kind]["median_s"])
+      assert r[kind]["flops"] is None or _positive(r[kind]["flops"])
+    _per_round(r["elsa_over_softmax"], config)
+    _per_round(r["lsa_over_softmax"], config)
+  text = benchmark.format_tables(results)
+  assert "causal elsa by chunks" in text and "transformer training step" in text

@@ -1,11 +1,14 @@
 r"""python -m experiments.benchmark --workdir=runs/benchmark
 
 Speed of the ELSA primitive, of deep stacks, of the sweep's own kernel
-(``experiments.sweep.build_measure``) against direct GD, and of the training
-step against a plain ``jnp.einsum`` reference.
+(``experiments.sweep.build_measure``) against direct GD, of the training
+step against a plain ``jnp.einsum`` reference, of causal ELSA by chunks
+against the masked quadratic order, and of the transformer's training step
+per attention kind.
 
-``--config=experiments/configs/benchmark.py:quick`` shrinks every part to
-seconds (what tests/test_benchmark_driver.py runs). Override any field, e.g.
+``--config=experiments/configs/benchmark.py:tiny`` (or its older name
+``quick``) shrinks every part to seconds (what
+tests/test_benchmark_driver.py runs). Override any field, e.g.
 ``--config.tokens='(1024, 4096)' --config.reps=11`` or
 ``--config.parts='("train",)'``. The default takes a few minutes on 2 quiet
 CPU cores (float32 and float64); the same command runs unchanged on a GPU or
@@ -19,13 +22,16 @@ from experiments import checks
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """The full benchmark; ``arg == 'quick'`` gives tiny sizes and few repetitions."""
-  arg = checks.variant("benchmark", arg, ("quick",))
+  """The full benchmark; ``arg == 'tiny'`` (or ``'quick'``) gives tiny sizes
+  and few repetitions."""
+  arg = checks.variant("benchmark", arg, ("tiny", "quick"))
   config = ml_collections.ConfigDict()
   config.seed = 0
   # Which parts run, in order (experiments.benchmark.PARTS).
-  config.parts = ("primitive", "stack", "sweep", "train")
-  # Parts 1 and 3 run in each dtype; part 2 (compile time) in the first.
+  config.parts = ("primitive", "stack", "sweep", "train", "causal",
+                  "transformer")
+  # Parts 1 and 3 run in each dtype; part 2 (compile time) in the first;
+  # parts 4-6 in float32.
   config.dtypes = ("float32", "float64")
   # Timing: `warmup` untimed rounds, then `reps` timed rounds, fewer (but at
   # least `min_reps`) once one case has run `max_case_s`. A round calls each
@@ -85,7 +91,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.train_elsa_depth = 4
   config.train_elsa_batch = 128
 
-  if arg == "quick":
+  # Part 5, causal ELSA (float32, k = v = n): by chunks at the default chunk
+  # against the masked quadratic order (under quadratic_budget_gib) and
+  # non-causal ELSA at each m; then each chunk at causal_chunk_tokens.
+  config.causal_tokens = (256, 1024, 4096, 16384)
+  config.causal_width = 64
+  config.causal_chunk_tokens = 4096
+  config.causal_chunks = (16, 32, 64, 128, 256, 512)
+
+  # Part 6, the transformer's training step per attention kind: the
+  # prefix_cpu protocol's model (configs/prefix.py: d = 5, width 32, 2
+  # blocks of 2 heads, batch 32) on prompts of these many (x, y) pairs
+  # (11: that run's; the longer ones show each kind's cost in m).
+  config.transformer_points = (11, 128, 1024)
+  config.transformer_d = 5
+  config.transformer_width = 32
+  config.transformer_depth = 2
+  config.transformer_heads = 2
+  config.transformer_batch = 32
+
+  if arg in ("tiny", "quick"):
     config.warmup = 0
     config.reps = 1
     config.min_reps = 1
@@ -110,4 +135,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train_lsa_batch = 32
     config.train_elsa_depth = 1
     config.train_elsa_batch = 16
+    config.causal_tokens = (64, 100)
+    config.causal_width = 8
+    config.causal_chunk_tokens = 100
+    config.causal_chunks = (16, 64)
+    config.transformer_points = (4,)
+    config.transformer_width = 8
+    config.transformer_depth = 1
+    config.transformer_batch = 4
   return config
