@@ -1017,13 +1017,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
                       + min(config.quadratic_budget_gib * _GIB, 8 * m * m),
                       fields="causal_tokens, causal_chunk_tokens, "
                              "causal_width and quadratic_budget_gib")
-  # Part 6: per block, its activations and the softmax scores, kept for the
-  # backward pass, float32, three kinds, a few copies.
+  # Part 6: per block, kept for the backward pass (float32; one kind's step
+  # runs at a time): 8 activations of the width and 4 copies of the softmax
+  # scores [heads, m, m] (scores, probabilities and their gradients).
   if "transformer" in config.parts:
     m = 2 * max(config.transformer_points)
     checks.check_fits(
-        3 * 16 * 4 * config.transformer_depth * config.transformer_batch
-        * m * (8 * config.transformer_width + config.transformer_heads * m),
+        4 * config.transformer_depth * config.transformer_batch * m
+        * (8 * config.transformer_width + 4 * config.transformer_heads * m),
         fields="transformer_points, transformer_batch, transformer_width, "
                "transformer_depth and transformer_heads")
   # Part 4: per layer and component the state, Q, K, V and the [m, m]
