@@ -191,6 +191,20 @@ def allocated_bytes(compiled) -> int | None:
   return int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
 
 
+def quadratic_memory(compiled, estimate: int,
+                     config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """``{"bytes": ...}`` a compiled quadratic-order call allocates
+  (:func:`allocated_bytes`, else ``estimate``), with ``"skipped"`` saying
+  why where that exceeds ``config.quadratic_budget_gib`` (it is not run)."""
+  needed = allocated_bytes(compiled)
+  needed = estimate if needed is None else needed
+  out = dict(bytes=needed)
+  if needed > config.quadratic_budget_gib * _GIB:
+    out["skipped"] = (f"needs {needed / _GIB:.2f} GiB > budget "
+                      f"{config.quadratic_budget_gib} GiB")
+  return out
+
+
 def fit_exponent(tokens, times) -> float | None:
   """Slope of ``log time`` against ``log m`` by least squares."""
   if len(tokens) < 2:
@@ -252,15 +266,11 @@ def primitive_row(m: int, n: int, dtype, config: ml_collections.ConfigDict
   matmul = jax.jit(jnp.matmul).lower(h, b).compile()
   calls = dict(elsa=lambda: fast(p, h), matmul=lambda: matmul(h, b))
   slow = jax.jit(quadratic_elsa).lower(p, h).compile()
-  needed = allocated_bytes(slow)
-  if needed is None:  # No memory analysis: estimate the [m, m] matrix.
-    needed = m * m * dtype.itemsize
-  row["quadratic"] = dict(bytes=needed, flops=quadratic_flops(m, n, k, v))
-  if needed > config.quadratic_budget_gib * _GIB:
-    row["quadratic"]["skipped"] = (
-        f"needs {needed / _GIB:.2f} GiB > budget "
-        f"{config.quadratic_budget_gib} GiB")
-  else:
+  # Without a memory analysis: the [m, m] matrix.
+  row["quadratic"] = dict(quadratic_memory(slow, m * m * dtype.itemsize,
+                                           config),
+                          flops=quadratic_flops(m, n, k, v))
+  if "skipped" not in row["quadratic"]:
     calls["quadratic"] = lambda: slow(p, h)
 
   times = time_rounds(calls, config=config)
@@ -706,15 +716,10 @@ def causal_row(m: int, n: int, chunk: int | None,
     full = jax.jit(elsa.elsa).lower(p, h).compile()
     calls["non_causal"] = lambda: full(p, h)
     slow = jax.jit(masked_quadratic_elsa).lower(p, h).compile()
-    needed = allocated_bytes(slow)
-    if needed is None:  # No memory analysis: the [m, m] scores and mask.
-      needed = 2 * m * m * dtype.itemsize
-    row["masked_quadratic"] = dict(bytes=needed)
-    if needed > config.quadratic_budget_gib * _GIB:
-      row["masked_quadratic"]["skipped"] = (
-          f"needs {needed / _GIB:.2f} GiB > budget "
-          f"{config.quadratic_budget_gib} GiB")
-    else:
+    # Without a memory analysis: the [m, m] scores and mask.
+    row["masked_quadratic"] = quadratic_memory(
+        slow, 2 * m * m * dtype.itemsize, config)
+    if "skipped" not in row["masked_quadratic"]:
       calls["masked_quadratic"] = lambda: slow(p, h)
       want = slow(p, h)
       row["max_rel_err"] = float(jnp.max(jnp.abs(causal(p, h) - want))
