@@ -40,16 +40,21 @@ def user_run(tmp_path_factory):
   """``prefix_tiny`` from a fresh workdir in a fresh process without the
   suite's 64-bit mode: its workdir, results and log."""
   workdir = str(tmp_path_factory.mktemp("prefix") / "run")
-  env = _as_a_user(os.environ)
-  env.update(PYTHONPATH=os.getcwd())
+  return (workdir, *_train_as_a_user("prefix_tiny", workdir))
+
+
+def _train_as_a_user(variant: str, workdir: str):
+  """``experiments.train`` of ``train.py:variant`` in a fresh process, a
+  user's environment: ``(results, stderr, env)``."""
+  env = {**_as_a_user(os.environ), "PYTHONPATH": os.getcwd()}
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.train",
-       "--config=experiments/configs/train.py:prefix_tiny",
+       f"--config=experiments/configs/train.py:{variant}",
        f"--workdir={workdir}"],
       env=env, capture_output=True, text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(os.path.join(workdir, "results.json"), encoding="utf-8") as f:
-    return workdir, json.load(f), proc.stderr, env
+    return json.load(f), proc.stderr, env
 
 
 def test_tiny_run_writes_every_curve_table_and_figure(user_run):
@@ -205,15 +210,7 @@ def test_the_field_variant_runs_at_tiny_size_as_a_user_runs_it(tmp_path):
   """``field.tiny``: Garg et al.'s structure (curriculum over d and N,
   learned positions, shifts) at tiny sizes, in a fresh process."""
   workdir = str(tmp_path / "field")
-  env = {**_as_a_user(os.environ), "PYTHONPATH": os.getcwd()}
-  proc = subprocess.run(
-      [sys.executable, "-m", "experiments.train",
-       "--config=experiments/configs/train.py:field.tiny",
-       f"--workdir={workdir}"],
-      env=env, capture_output=True, text=True, timeout=900, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  with open(os.path.join(workdir, "results.json"), encoding="utf-8") as f:
-    results = json.load(f)
+  results, _, _ = _train_as_a_user("field.tiny", workdir)
   config = _config("field.tiny")
   assert set(results["families"]) == set(config.families)
   for family in config.families:
