@@ -234,6 +234,39 @@ def test_linear_baselines_known_answers():
                              rtol=1e-6, atol=1e-8)
 
 
+def test_lasso_is_the_minimiser_where_coordinate_descent_stops_short():
+  # One example in d = 5 at alpha = 1e-4: coordinate descent stops at
+  # max_iter with weight on several coordinates. The minimiser puts it all on
+  # j = argmax |x_j| (the KKT conditions: x_j r = alpha sign(w_j), |x_i r| <=
+  # alpha elsewhere), leaving the residual r = alpha sign(y) / |x_j|.
+  import warnings
+  from sklearn.exceptions import ConvergenceWarning
+  from sklearn.linear_model import Lasso
+  rng = np.random.default_rng(0)
+  alpha, d, misses = 1e-4, 5, 0
+  for _ in range(32):
+    # Prompts of sparse_linear: y = x w, w with 3 of 5 coordinates nonzero.
+    w = np.zeros(d)
+    w[rng.choice(d, 3, replace=False)] = rng.normal(size=3)
+    x, xq = rng.normal(size=(1, d)), rng.normal(size=d)
+    y = x @ w
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      Lasso(alpha=alpha, fit_intercept=False, max_iter=100_000,
+            tol=1e-8).fit(x, y)
+    misses += any(w.category is ConvergenceWarning for w in caught)
+    j = np.argmax(np.abs(x[0]))
+    w_j = (y[0] - np.sign(y[0]) * alpha / abs(x[0, j])) / x[0, j]
+    task = ridge.Task(x=jnp.asarray(x[None]), y=jnp.asarray(y[None]),
+                      x_query=jnp.asarray(xq[None, None]),
+                      y_query=jnp.zeros((1, 1)), w_true=jnp.zeros((1, d)))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", ConvergenceWarning)
+      got = tasks.lasso(task, alpha=alpha)
+    np.testing.assert_allclose(got[0, 0], xq[j] * w_j, rtol=1e-10)
+  assert misses > 0  # the case the fallback is for occurred
+
+
 def test_knn_distance_equals_scikit_learn_and_copies_an_exact_match():
   from sklearn.neighbors import KNeighborsRegressor
   task = _sample(tasks.FAMILIES["noisy_linear"], n_train=7, n_query=3)
