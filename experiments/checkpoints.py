@@ -12,6 +12,7 @@ read only: what the decompile drivers build on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
 from elsa import training
 from experiments import checks
@@ -113,6 +115,23 @@ def checkpoint_dir(name: str, depth: int) -> str:
   return os.path.join("checkpoints", f"{name}_L{depth}")
 
 
+@contextlib.contextmanager
+def _read_only_manager(folder: str):
+  """An orbax manager that only reads ``folder``: orbax warns that the
+  directory is read only when it is opened so, which is what we asked for,
+  so its warnings are held back while it opens (errors still show)."""
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)
+  try:
+    manager = ocp.CheckpointManager(
+        os.path.abspath(folder), options=ocp.CheckpointManagerOptions(
+            create=False, read_only=True, save_interval_steps=0))
+  finally:
+    logging.set_verbosity(verbosity)
+  with manager:
+    yield manager
+
+
 def load_trained(config, workdir: str, *, name: str, depth: int
                  ) -> training.Split:
   """``name`` at ``depth`` as a finished train run in ``workdir`` left it:
@@ -136,10 +155,7 @@ def load_trained(config, workdir: str, *, name: str, depth: int
   if not os.path.isdir(folder):
     raise workdirs.CorruptOutput(f"{folder!r} is missing: {workdir!r} holds no "
                                f"trained {name} at depth {depth}; " + remedy)
-  with ocp.CheckpointManager(os.path.abspath(folder),
-                             options=ocp.CheckpointManagerOptions(
-                                 create=False, read_only=True,
-                                 save_interval_steps=0)) as manager:
+  with _read_only_manager(folder) as manager:
     step, state, _ = restore(config, manager, wd, folder, state, losses,
                               name=name, depth=depth, remedy=remedy)
   if step != config.steps:

@@ -233,7 +233,8 @@ def schedules_figure(results: dict) -> Figure:
                 label=f"{name} L={r['depth']}")
   ax.set(xlabel="iteration", ylabel="fitted step size",
          title="gd_schedule fitted to each stack")
-  ax.legend(fontsize=6)
+  if ax.lines:  # empty when gd_schedule was not among the families
+    ax.legend(fontsize=6)
   return fig
 
 
@@ -401,7 +402,7 @@ def summary(result: dict) -> str:
   closest = result.get("closest") or {}
   if not closest.get("family"):
     return head
-  than_gd = ("" if closest["family"] == "gd" else
+  than_gd = ("" if "gd" in (closest["family"], closest.get("runner_up")) else
              f", {_figure(closest.get('vs_gd'))}x nearer than gd")
   return (f"{head}; closest {closest['family']} (held-out D "
           f"{_figure(closest.get('disagreement'))}, "

@@ -132,9 +132,12 @@ def init_model(config, *, name: str, depth: int, init_scale: float, dtype):
 
 def init_grid(config, *, name: str, depth: int) -> training.Split:
   """The split of one model with its ``nnx.Param`` leaves stacked over the grid."""
-  splits = [training.split(init_model(config, name=name, depth=depth,
-                                      init_scale=scale, dtype=dtype(config)))
-            for _, scale in grid(config)]
+  # One initialisation per distinct scale: grid points of one scale differ
+  # in their learning rate only (eager init is seconds a model at tiny sizes).
+  by_scale = {scale: training.split(init_model(
+      config, name=name, depth=depth, init_scale=scale, dtype=dtype(config)))
+              for scale in dict.fromkeys(config.init_scales)}
+  splits = [by_scale[scale] for _, scale in grid(config)]
   params = jax.tree.map(lambda *leaves: jnp.stack(leaves),
                         *(s.params for s in splits))
   return splits[0]._replace(params=params)

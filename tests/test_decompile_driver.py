@@ -21,7 +21,8 @@ from tests import multiprocess
 
 
 # The tiny config, shorter: one model, a short training.
-_SHORTER = {"train.models": ("lsa_residual_trained",), "train.steps": 40,
+_SHORTER = {"models": ("lsa_residual_trained",),
+            "train.models": ("lsa_residual_trained",), "train.steps": 40,
             "train.warmup_steps": 4, "train.log_every": 10,
             "train.checkpoint_every": 20, "train.n_test": 64,
             "train.eval_chunk": 64}
@@ -30,8 +31,8 @@ _SHORTER = {"train.models": ("lsa_residual_trained",), "train.steps": 40,
 def _config():
   config = decompile_config.get_config("tiny")
   for field, value in _SHORTER.items():
-    group, name = field.split(".")
-    config[group][name] = value
+    *group, name = field.split(".")
+    (config[group[0]] if group else config)[name] = value
   return config
 
 

@@ -367,6 +367,7 @@ def _decompile_config(seed: int = 0):
   """decompile's tiny config around :func:`_checkpoint_config`'s training."""
   config = decompile_config.get_config("tiny")
   config.train = _checkpoint_config(seed)
+  config.models = ()  # every model of that training
   return config
 
 

@@ -11,8 +11,9 @@ docs/guides/decompile.md.
 
 Variants (``--config=experiments/configs/decompile.py:NAME``):
 
-* ``tiny``: after ``train.py:tiny`` (tests and Colab; it reuses that run): three
-  families, few tasks and optimiser steps.
+* ``tiny``: after ``train.py:tiny`` (tests and Colab; it reuses that run): the
+  paper's pair (trained ELSA and LSA), two families (GD and heavy ball), few
+  tasks and optimiser steps.
 * ``vonoswald``: the models of ``train.py:vonoswald`` (von Oswald et al.'s
   setting, depths 1, 2, 3), reusing its workdir if
   ``--config.train_workdir`` points to it.
@@ -67,7 +68,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg == "tiny":
     config.n_fit = 64
     config.n_test = 64
-    config.families = ("gd", "gd_schedule", "heavy_ball")
+    config.models = ("elsa_trained", "lsa_trained")
+    config.families = ("gd", "heavy_ball")
     config.restarts = 2
     config.lm_steps = 10
     config.similarity_steps = 4
