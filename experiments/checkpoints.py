@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging as std_logging
 import os
 
 import jax
@@ -120,14 +121,17 @@ def _read_only_manager(folder: str):
   """An orbax manager that only reads ``folder``: orbax warns that the
   directory is read only when it is opened so, which is what we asked for,
   so its warnings are held back while it opens (errors still show)."""
-  verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.ERROR)
+  # The absl logger's own level, restored as it was (often unset: inherited
+  # from the root logger, which a caller such as pytest's caplog may lower).
+  logger = logging.get_absl_logger()
+  level = logger.level
+  logger.setLevel(std_logging.ERROR)
   try:
     manager = ocp.CheckpointManager(
         os.path.abspath(folder), options=ocp.CheckpointManagerOptions(
             create=False, read_only=True, save_interval_steps=0))
   finally:
-    logging.set_verbosity(verbosity)
+    logger.setLevel(level)
   with manager:
     yield manager
 

@@ -250,8 +250,10 @@ def queries_on_prompt(task) -> bool:
 def reference_predictions(family, task, *, host_prompts: int
                           ) -> dict[str, np.ndarray]:
   """``{name: [B', N]}``: each reference of ``family`` at every prefix,
-  fitted on the first ``i`` examples (0 at ``i = 0``); host references on
-  the first ``host_prompts`` prompts (``B' = host_prompts``)."""
+  fitted on the first ``i`` examples; host references on the first
+  ``host_prompts`` prompts (``B' = host_prompts``). At ``i = 0`` every
+  baseline predicts 0, as Garg et al.'s do, but ``bayes`` is the posterior
+  mean given no examples: the prior's (``x_q^T mu`` on ``nonzero_mean``)."""
   refs = family.references
   host = {n: f for n, f in refs.items() if n in task_families.HOST_REFERENCES}
   device = jax.jit(lambda t: {n: f(t)[:, 0] for n, f in refs.items()
@@ -262,6 +264,9 @@ def reference_predictions(family, task, *, host_prompts: int
   out = {n: [np.zeros(task.x.shape[0] if n not in host else host_prompts,
                       np.float32)] for n in refs}
   with jax.default_matmul_precision("highest"):
+    if "bayes" in refs:
+      out["bayes"] = [np.asarray(refs["bayes"](shift_lib.at_prefix(task, 0))
+                                 [:, 0])]
     for i in range(1, n_points):
       for n, pred in device(shift_lib.at_prefix(task, i)).items():
         out[n].append(np.asarray(pred))

@@ -110,6 +110,21 @@ def test_references_at_a_known_answer(user_run):
   assert 0.5 < at_zero["least_squares"] < 2
 
 
+def test_bayes_with_no_examples_is_the_prior_mean():
+  """On nonzero_mean the posterior mean given no examples is x_q^T mu, not
+  the baselines' 0; with examples it is the family's own bayes on the
+  prefix."""
+  config = _config()
+  family = tasks.get("nonzero_mean")
+  task = pp.test_prompts(config, "nonzero_mean", batch=4)
+  preds = pp.reference_predictions(family, task, host_prompts=2)
+  mu = np.asarray(family.mu(config.d))
+  np.testing.assert_allclose(preds["bayes"][:, 0],
+                             np.asarray(task.x_query[:, 0]) @ mu, rtol=1e-6)
+  assert np.all(preds["least_squares"][:, 0] == 0)
+  assert np.all(np.abs(preds["bayes"][:, 0]) > 0)
+
+
 def test_the_same_command_again_computes_nothing(user_run):
   workdir, results, _, env = user_run
   proc = subprocess.run(
