@@ -19,8 +19,8 @@ Variants (``--config=experiments/configs/train.py:NAME``):
   3 seeds (the 12 trained as one program), 512 test prompts (64 for the
   references that fit one prompt at a time on the host). The steps are what
   fits: the 12 models train at 12.4 steps/s on 2 cores, so 10 families x 3
-  kinds x 1500 steps is about 60 minutes of training, plus evaluation, inside
-  the 90 minutes the variant is for.
+  kinds x 1500 steps is about 60 minutes of training; with evaluation the
+  whole variant took 70 minutes (BUILD_NOTES, "The field's protocol").
 * ``prefix_tiny``: the same at seconds a family (tests and a first look).
 * ``field``: Garg et al.'s sizes for an accelerator: ``d = 20``, ``N = 41``
   reached by their curriculum (5 -> 20 dimensions, 11 -> 41 points, every
