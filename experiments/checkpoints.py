@@ -118,9 +118,9 @@ def checkpoint_dir(name: str, depth: int) -> str:
 
 @contextlib.contextmanager
 def _read_only_manager(folder: str):
-  """An orbax manager that only reads ``folder``: orbax warns that the
-  directory is read only when it is opened so, which is what we asked for,
-  so its warnings are held back while it opens (errors still show)."""
+  """An orbax manager that only reads ``folder``. Opened read-only, orbax
+  warns that the directory is read only, which is what was asked for: its
+  warnings are held back while it opens (errors still show)."""
   # The absl logger's own level, restored as it was (often unset: inherited
   # from the root logger, which a caller such as pytest's caplog may lower).
   logger = logging.get_absl_logger()

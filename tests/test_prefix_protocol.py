@@ -123,6 +123,9 @@ def test_bayes_with_no_examples_is_the_prior_mean():
                              np.asarray(task.x_query[:, 0]) @ mu, rtol=1e-6)
   assert np.all(preds["least_squares"][:, 0] == 0)
   assert np.all(np.abs(preds["bayes"][:, 0]) > 0)
+  from elsa import shifts
+  np.testing.assert_allclose(preds["bayes"][:, 3], np.asarray(
+      family.bayes(shifts.at_prefix(task, 3)))[:, 0], rtol=1e-6)
 
 
 def test_the_same_command_again_computes_nothing(user_run):
