@@ -57,7 +57,9 @@ def restore(config, manager, wd: workdirs.Workdir, folder: str, state, losses,
              *, name: str, depth: int, remedy: str | None = None):
   """``(step, state, losses)`` of the last checkpoint in ``folder``, verified
   as this config's ``name`` at ``depth`` and as the step it is filed under,
-  or ``(None, state, losses)`` when there is none.
+  or ``(None, state, losses)`` when there is none. ``state`` gives the
+  shapes, dtypes and structure of what is restored: arrays, or their
+  ``jax.ShapeDtypeStruct`` (``train_setup.untrained(abstract=True)``).
 
   Raises:
     workdirs.CorruptOutput: it cannot be read, is of another config, another
@@ -105,7 +107,7 @@ def restore(config, manager, wd: workdirs.Workdir, folder: str, state, losses,
         "shapes); " + remedy)
   # In the dtypes of this process's state (with jax_enable_x64 on, as in
   # decompile, the grid's learning rates are float64; the run saved float32).
-  leaves = [jnp.asarray(restored[f"state{i}"], np.asarray(leaf).dtype)
+  leaves = [jnp.asarray(restored[f"state{i}"], leaf.dtype)
             for i, leaf in enumerate(leaves)]
   return (step, jax.tree.unflatten(jax.tree.structure(state), leaves),
           restored["losses"])
@@ -150,7 +152,9 @@ def load_trained(config, workdir: str, *, name: str, depth: int
       command (decompile runs it first) then trains that model again, and
       only that one, and evaluates anew.
   """
-  split, _, state, losses = train_setup.untrained(config, name=name, depth=depth)
+  # The shapes alone are the target: the restored arrays replace them all.
+  split, _, state, losses = train_setup.untrained(config, name=name,
+                                                  depth=depth, abstract=True)
   wd = workdirs.Workdir(workdir, config)
   folder = wd.path(checkpoint_dir(name, depth))
   remedy = (f"delete {folder!r} and {wd.path('results.json')!r}, then rerun: "

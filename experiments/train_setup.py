@@ -158,17 +158,34 @@ def optimizer(*, learning_rate: float, steps: int, warmup_steps: int,
                             end_fraction=end_fraction, clip_norm=clip_norm)
 
 
-def untrained(config, *, name: str, depth: int):
+def untrained(config, *, name: str, depth: int, abstract: bool = False):
   """``(split, tx, state, losses)`` before the first step: the grid's stacked
   initial parameters, the optimiser, its state (on the host), and losses
-  ``[G, steps]`` of NaN."""
-  split = init_grid(config, name=name, depth=depth)
+  ``[G, steps]`` of NaN.
+
+  ``abstract``: the split's parameters and the state as
+  ``jax.ShapeDtypeStruct`` leaves, nothing drawn (``jax.eval_shape``): the
+  target a checkpoint is checked against and restored into. The model's
+  other state (a key mask), which no checkpoint holds, is still built, in
+  one compilation. Eager initialisation compiles each random draw of each
+  new shape, seconds a depth on CPU.
+  """
   tx = optimizer(learning_rate=config.learning_rates[0], steps=config.steps,
                  warmup_steps=config.warmup_steps,
                  end_fraction=config.end_fraction, clip_norm=config.clip_norm)
-  state = distributed.to_host(training.grid_init_state(
-      split.params, tx,
-      learning_rates=jnp.asarray([lr for lr, _ in grid(config)])))
+
+  def init():
+    split = init_grid(config, name=name, depth=depth)
+    return split, training.grid_init_state(
+        split.params, tx,
+        learning_rates=jnp.asarray([lr for lr, _ in grid(config)]))
+  if abstract:
+    split, state = jax.eval_shape(init)
+    if jax.tree.leaves(split.rest):
+      split = split._replace(rest=jax.jit(lambda: init()[0].rest)())
+  else:
+    split, state = init()
+    state = distributed.to_host(state)
   losses = np.full((len(grid(config)), config.steps), np.nan, dtype(config))
   return split, tx, state, losses
 
