@@ -282,6 +282,53 @@ def test_random_stack_is_no_family():
   assert report.as_dict()["closest"]["family"] == closest.family
 
 
+def _noisy_heavy_ball(loops):
+  """A compiled heavy-ball stack of ``loops`` layers with 1% noise on its
+  weights: every family's fit is near, none exact."""
+  compiled = _compiled("heavy_ball")
+  clean = compiled.params(loops=loops, lam=LAM, eta=0.5 / _mu(FIT_TASKS)[1],
+                          beta=0.4)
+  keys = jax.random.split(jax.random.key(loops), 6)
+  noisy = ElsaParams(*(leaf + 1e-2 * jnp.sqrt(jnp.mean(leaf ** 2)) *
+                       jax.random.normal(k, leaf.shape, leaf.dtype)
+                       for leaf, k in zip(clean, keys)))
+  return decompile.from_compiled(compiled, loops=loops, params=noisy, lam=LAM,
+                                 eta=0.1, beta=0.4)
+
+
+def test_padded_fits_compile_once_for_all_depths_and_fit_as_unpadded():
+  # Noisy stacks of 2 and 3 layers padded to 3: one compilation a family
+  # for both (restarts=3, a static count no other test uses, keeps the count
+  # clean), and each fit, its candidate and every metric as without padding
+  # (the padding rows are masked out; the sensitivities are read at the last
+  # compared layer, not the last padded one).
+  families = ("gd", "heavy_ball")
+  run = lambda model, **kw: decompile.identify(
+      model, FIT_TASKS, TEST_TASKS, lam=LAM, families=families, restarts=3,
+      lm_steps=10, **kw)
+  compiled = decompile._fitting._fit_and_judge  # pylint: disable=protected-access
+  before = compiled._cache_size()  # pylint: disable=protected-access
+  padded = {L: run(_noisy_heavy_ball(L), pad_layers=3) for L in (2, 3)}
+  assert compiled._cache_size() - before == len(families)  # pylint: disable=protected-access
+  for L, report in padded.items():
+    plain = {f.family: f for f in run(_noisy_heavy_ball(L)).fits}
+    for fit in report.fits:
+      want = plain[fit.family]
+      assert fit.iterations == want.iterations and len(fit.iterations) == L
+      assert 1e-6 < fit.disagreement < 0.1  # near, not exact
+      assert fit.disagreement == pytest.approx(want.disagreement, rel=1e-6)
+      for key, value in want.metrics.items():
+        if isinstance(value, float):
+          assert fit.metrics[key] == pytest.approx(value, rel=1e-6), key
+      for key, value in want.params.items():
+        np.testing.assert_allclose(fit.params[key], value, rtol=1e-6)
+  with pytest.raises(ValueError, match="pad_layers=2 is fewer than the 3 "
+                     "layers the model's predictions compare"):
+    run(_noisy_heavy_ball(3), pad_layers=2)
+  with pytest.raises(TypeError, match="pad_layers must be an int"):
+    run(_noisy_heavy_ball(3), pad_layers=3.0)
+
+
 @settings(**ONCE)
 @given(frac=st.floats(0.3, 0.8), lam=st.floats(0.3, 1.0))
 def test_gd_at_another_lam_is_described_as_that_lam(frac, lam):

@@ -188,22 +188,30 @@ def _first_step(task: ridge.Task, first: Array, iterations: Array) -> Array:
   return jnp.sum(first * p) / (iterations * jnp.sum(p * p))
 
 
-# XLA's backend optimisations at level 0: on CPU they halve the compile time
-# of a family's fit (3.2 s against 6.2 s) and double its run time (0.9 s
-# against 0.4 s), one measurement on 2 shared cores; compiling dominates.
+# XLA's backend optimisations at level 0, for what a decompilation compiles
+# once and runs a few times: on CPU they halve the compile time of a family's
+# fit (3.2 s against 6.2 s) and double its run time (0.9 s against 0.4 s),
+# one measurement on 2 shared cores; compiling dominates. The same for the
+# model's evaluation (each model compiles its own).
+QUICK_COMPILE = {"xla_backend_optimization_level": 0}
+
+
 @functools.partial(jax.jit, static_argnames=("family", "loops", "restarts",
                                              "adam_steps", "lm_steps"),
-                   compiler_options={"xla_backend_optimization_level": 0})
+                   compiler_options=QUICK_COMPILE)
 def _fit_and_judge(family: Family, task: ridge.Task, target: Array,
-                   rows: Array, key: Array, lam, test_task: ridge.Task,
-                   probes: Array, *, loops: int, restarts: int,
-                   adam_steps: int, lm_steps: int):
+                   rows: Array, compared: Array, key: Array, lam,
+                   test_task: ridge.Task, probes: Array, *, loops: int,
+                   restarts: int, adam_steps: int, lm_steps: int):
   """Fits ``family`` from ``restarts`` random starts at each candidate
   alignment, and evaluates the best fit on the test tasks: one compilation.
 
   ``target [S, B, Q]``: the model's predictions at the compared layers;
   ``rows [C, S]`` (traced ints): per candidate, the family's iterate held
-  against each layer, all ``<= loops``. The candidate with the lowest loss
+  against each layer, all ``<= loops``; ``compared [S]`` (traced bools): the
+  layers that count, the first ones (the others pad ``S`` to a shape shared
+  by models of other depths: they add nothing to the loss, and the outputs
+  are read at the last compared row). The candidate with the lowest loss
   (the first within a relative 1e-6 of it) is the fit. The step-size
   starts are scaled per candidate by the GD step its first row suggests
   (:func:`_first_step`). Returns ``(values,
@@ -220,7 +228,9 @@ def _fit_and_judge(family: Family, task: ridge.Task, target: Array,
 
   def residual(u, rows):
     f = family.predict(family.values(u, mu, d), task, loops=loops, lam=lam)
-    return ((f[rows] - target) / scale).ravel()
+    # where, not a product: a padding row may overflow (inf * 0 is NaN).
+    return jnp.where(compared[:, None, None], (f[rows] - target) / scale,
+                     0).ravel()
 
   def loss(u, rows):
     value = jnp.sum(residual(u, rows) ** 2)
@@ -289,17 +299,18 @@ def _fit_and_judge(family: Family, task: ridge.Task, target: Array,
   candidate = jnp.argmax(per_candidate <= jnp.min(per_candidate) * (1 + 1e-6))
   u = jax.tree.map(lambda a: a[candidate, restart[candidate]], u)
   values = family.values(u, mu, d)
+  last = rows[candidate][jnp.sum(compared) - 1]
   return (values, candidate, per_candidate,
-          _outputs(family, values, test_task, probes, rows[candidate], lam,
-                   loops=loops))
+          _outputs(family, values, test_task, probes, rows[candidate], last,
+                   lam, loops=loops))
 
 
 def _outputs(family: Family, values: dict, task: ridge.Task, probes: Array,
-             rows: Array, lam, *, loops: int):
+             rows: Array, last: Array, lam, *, loops: int):
   """The family's predictions at ``rows`` ``[S, B, Q]``, the sensitivity of
-  its last row ``[B, Q, d]`` (forward-mode, per task) and that row's
+  its row ``last`` ``[B, Q, d]`` (forward-mode, per task) and that row's
   predictions on the probe queries ``[K, B, Q]``."""
-  final = lambda t: family.predict(values, t, loops=loops, lam=lam)[rows[-1]]
+  final = lambda t: family.predict(values, t, loops=loops, lam=lam)[last]
   one_task = lambda t: jax.jacfwd(
       lambda xq: jnp.sum(final(t._replace(x_query=xq))))(t.x_query)
   return (family.predict(values, task, loops=loops, lam=lam)[rows],
@@ -399,15 +410,16 @@ def _layers(fn: str, model: Model, task: ridge.Task) -> int:
 def _evaluate(fn: str, model: Model, fit_task: ridge.Task,
               task: ridge.Task, key: Array) -> tuple[Array, _Reference]:
   """The model's compared rows on the fit tasks, and what it does on the
-  evaluation tasks: one compilation of the model per call."""
-  probes = _probes(key, task)
+  evaluation tasks: one compilation of the model (and the probes) per call."""
 
-  def outputs(fit_task, task, probes):
+  def outputs(fit_task, task, key):
     final = lambda t: _model_rows(fn, model, t)[-1]
+    probes = _probes(key, task)
     return (_model_rows(fn, model, fit_task), _model_rows(fn, model, task),
-            training.query_sensitivity(final, task),
+            training.query_sensitivity(final, task), probes,
             jax.vmap(lambda xq: final(task._replace(x_query=xq)))(probes))
-  fit_rows, rows, sens, probe_preds = jax.jit(outputs)(fit_task, task, probes)
+  fit_rows, rows, sens, probes, probe_preds = jax.jit(
+      outputs, compiler_options=QUICK_COMPILE)(fit_task, task, key)
   _comparable_rows(fn, "fit_tasks", fit_rows)
   rows = _comparable_rows(fn, "test_tasks", rows)
   return fit_rows, _Reference(task, np.asarray(rows, np.float64),
@@ -441,21 +453,37 @@ def _judge(outputs, ref: _Reference) -> dict:
   return out
 
 
+def _padded(candidates: list[tuple[int, ...]], layers: int
+            ) -> list[tuple[int, ...]]:
+  """Each candidate's rows continued to ``layers`` at its last layer's count:
+  ``(1, 2)`` to 4 layers is ``(1, 2, 3, 4)``. Integer candidates ``k`` of
+  models of any depth then run to one length, ``k`` times ``layers``."""
+  return [c + tuple(c[-1] + (c[-1] - (c[-2] if len(c) > 1 else 0)) * i
+                    for i in range(1, layers - len(c) + 1))
+          for c in candidates]
+
+
 def _fit_family(family: Family, model_rows: Array, fit_task: ridge.Task,
                 candidates: list[tuple[int, ...]], ref: _Reference, *, lam,
-                key, restarts: int, adam_steps: int, lm_steps: int) -> Fit:
-  """``family`` fitted at every candidate alignment, judged on ``ref``."""
-  loops, d = max(c[-1] for c in candidates), fit_task.x.shape[-1]
+                key, restarts: int, adam_steps: int, lm_steps: int,
+                pad_layers: int | None = None) -> Fit:
+  """``family`` fitted at every candidate alignment, judged on ``ref``;
+  compiled for ``pad_layers`` compared layers (default the model's)."""
+  layers = model_rows.shape[0]
+  padded = _padded(candidates, pad_layers or layers)
+  loops, d = max(c[-1] for c in padded), fit_task.x.shape[-1]
   dtype = fit_task.x.dtype
+  extra = len(padded[0]) - layers
   values, pick, losses, outputs = _fit_and_judge(
-      family, fit_task, model_rows, jnp.asarray(candidates), key,
+      family, fit_task, jnp.pad(model_rows, [(0, extra), (0, 0), (0, 0)]),
+      jnp.asarray(padded), jnp.arange(layers + extra) < layers, key,
       jnp.asarray(lam, dtype), ref.task._replace(
           x=ref.task.x.astype(dtype), y=ref.task.y.astype(dtype),
           x_query=ref.task.x_query.astype(dtype)),
       ref.probes.astype(dtype), loops=loops, restarts=restarts,
       adam_steps=adam_steps, lm_steps=lm_steps)
   steps = candidates[int(pick)]
-  metrics = _judge(outputs, ref)
+  metrics = _judge((outputs[0][:layers], *outputs[1:]), ref)
   disagreement = metrics.pop("disagreement")
   metrics["fit_disagreement"] = float(losses[int(pick)])
   metrics["n_params"] = family.n_params(d=d, loops=steps[-1])
@@ -642,8 +670,8 @@ class Report:
 def identify(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
              families: Sequence[str] | None = None, tol: float = 1e-3,
              lam=0.0, iterations: Sequence = (1, 2), key: Array | None = None,
-             restarts: int = 8, adam_steps: int = 0, lm_steps: int = 20
-             ) -> Report:
+             restarts: int = 8, adam_steps: int = 0, lm_steps: int = 20,
+             pad_layers: int | None = None) -> Report:
   """Fits every family to ``model`` on ``fit_tasks`` and ranks them on ``test_tasks``.
 
   Each family is fitted at each candidate of ``iterations`` (an int per
@@ -664,6 +692,13 @@ def identify(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
     iterations: candidates of the iterations per layer (an int: one
       candidate).
     key, restarts, adam_steps, lm_steps: as :func:`fit`.
+    pad_layers: compile each family's fit for this many compared layers (at
+      least the model's; default the model's): a loop over stacks of several
+      depths passes the largest, and each family compiles once for all of
+      them (about 3 s a family on CPU) instead of once a depth. The padding
+      layers continue each candidate at its last layer's iterations and are
+      masked out of the fit and the metrics; only a schedule's random start
+      (drawn for the longer run) differs from an unpadded fit.
 
   Raises:
     TypeError, ValueError: as :func:`fit`.
@@ -688,13 +723,20 @@ def identify(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
   key = jax.random.key(0) if key is None else key
   layers = _layers(fn, model, fit_tasks)
   candidates = [_steps(fn, k, layers) for k in iterations]
-  _check_memory(fn, [FAMILIES[n] for n in names], fit_tasks, layers,
-                max(c[-1] for c in candidates), len(candidates), restarts)
+  if pad_layers is not None and _validate.int_at_least(
+      fn, "pad_layers", pad_layers, low=1) < layers:
+    raise ValueError(f"{fn}: pad_layers={pad_layers} is fewer than the "
+                     f"{layers} layers the model's predictions compare; pass "
+                     f"at least {layers}, or None.")
+  padded = _padded(candidates, pad_layers or layers)
+  _check_memory(fn, [FAMILIES[n] for n in names], fit_tasks, len(padded[0]),
+                max(c[-1] for c in padded), len(candidates), restarts)
   rows, ref = _evaluate(fn, model, fit_tasks, test_tasks,
                         jax.random.fold_in(key, 1))
   fits = _rank(_in_threads(lambda name: _fit_family(
       FAMILIES[name], rows, fit_tasks, candidates, ref, lam=lam, key=key,
-      restarts=restarts, adam_steps=adam_steps, lm_steps=lm_steps), names))
+      restarts=restarts, adam_steps=adam_steps, lm_steps=lm_steps,
+      pad_layers=pad_layers), names))
   closest = _closest(fits)
   within = [f for f in fits if f.disagreement <= tol]
   if not within:
