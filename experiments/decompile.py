@@ -90,14 +90,26 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      allow_empty=True)
 
 
-def sharded_tasks(config, salt: int, batch: int):
-  """Tasks of the training distribution (float64), sharded on the task axis."""
-  key = jax.random.fold_in(jax.random.key(config.seed), salt)
-  task = training.sample_tasks(key, train.task_spec(config.train),
-                               batch=batch, dtype=np.float64)
-  mesh = Mesh(np.asarray(jax.local_devices()), ("tasks",))
-  return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(
-      mesh, PartitionSpec("tasks"))), task)
+def sharded_tasks(config) -> list:
+  """``[fit, test, spectral_fit, spectral_test]``: ``config.n_fit``,
+  ``n_test``, ``spectral_n_fit`` and ``spectral_n_test`` tasks of the
+  training distribution (float64), consecutive slices of one draw (one
+  compilation, at XLA's quickest level: drawing is cheap, compiling is
+  seconds), each sharded on the task axis."""
+  sizes = (config.n_fit, config.n_test, config.spectral_n_fit,
+           config.spectral_n_test)
+  sharding = NamedSharding(Mesh(np.asarray(jax.local_devices()), ("tasks",)),
+                           PartitionSpec("tasks"))
+
+  def draw(key):
+    tasks = training.sample_tasks(key, train.task_spec(config.train),
+                                  batch=sum(sizes), dtype=np.float64)
+    ends = np.cumsum(sizes)
+    return [jax.tree.map(lambda a, lo=end - size, hi=end: a[lo:hi], tasks)
+            for size, end in zip(sizes, ends)]
+  return jax.jit(draw, out_shardings=sharding, compiler_options={
+      "xla_backend_optimization_level": 0})(
+          jax.random.fold_in(jax.random.key(config.seed), 1))
 
 
 def _one(config, model, depth: int, eta: float, fit_tasks, test_tasks,
@@ -112,7 +124,7 @@ def _one(config, model, depth: int, eta: float, fit_tasks, test_tasks,
       tol=config.tol, lam=spec.lam, iterations=tuple(config.iterations),
       key=jax.random.fold_in(jax.random.key(config.seed), depth),
       restarts=config.restarts, adam_steps=config.adam_steps,
-      lm_steps=config.lm_steps)
+      lm_steps=config.lm_steps, pad_layers=max(config.train.depths))
   seconds = time.perf_counter() - tic
   tic = time.perf_counter()
   described = decompile.spectral(predict, *spectral_tasks,
@@ -163,10 +175,7 @@ def _decompile_all(config, wd: workdirs.Workdir, train_workdir: str,
   the processes (the ``k``-th on process ``k mod P``), each result gathered
   on every process; process 0 writes the partial files (its own as soon as
   each is done, the others' as they arrive)."""
-  fit_tasks = sharded_tasks(config, 1, config.n_fit)
-  test_tasks = sharded_tasks(config, 2, config.n_test)
-  spectral_tasks = (sharded_tasks(config, 3, config.spectral_n_fit),
-                    sharded_tasks(config, 4, config.spectral_n_test))
+  fit_tasks, test_tasks, *spectral_tasks = sharded_tasks(config)
   names = list(config.models or config.train.models)
   depths = list(config.train.depths)
   jobs = [(name, i, depth) for name in names for i, depth in enumerate(depths)]

@@ -29,8 +29,7 @@ def main(train_workdir, variant=None):
     raise SystemExit(f"decompile_trained: {err}") from None
   spec = train.task_spec(config.train)
   with jax.enable_x64(True), jax.default_matmul_precision("highest"):
-    fit_tasks = driver.sharded_tasks(config, 3, config.spectral_n_fit)
-    test_tasks = driver.sharded_tasks(config, 4, config.spectral_n_test)
+    fit_tasks, test_tasks = driver.sharded_tasks(config)[2:]
     for name in config.train.models:
       for depth in config.train.depths:
         model = train.trained_model(config.train, train_workdir,

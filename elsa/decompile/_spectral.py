@@ -379,7 +379,8 @@ def spectral(model: Model, fit_tasks: ridge.Task, test_tasks: ridge.Task, *,
   lam = float(lam)
   # One compilation of the model for both task sets.
   rows = jax.jit(lambda a, b: (_fitting._model_rows(fn, model, a),
-                               _fitting._model_rows(fn, model, b)))
+                               _fitting._model_rows(fn, model, b)),
+                 compiler_options=_fitting.QUICK_COMPILE)
   target, held = rows(fit_tasks, test_tasks)
   target = _fitting._comparable_rows(fn, "fit_tasks", target).astype(
       np.float64)
