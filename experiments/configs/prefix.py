@@ -21,7 +21,8 @@ Variants (``--config=experiments/configs/train.py:NAME``):
   fits: the 12 models train at 12.4 steps/s on 2 cores, so 10 families x 3
   kinds x 1500 steps is about 60 minutes of training; with evaluation the
   whole variant took 70 minutes (BUILD_NOTES, "The field's protocol").
-* ``prefix_tiny``: the same at about a minute a family on 2 cores (tests and a first look).
+* ``prefix_tiny``: the same at about a minute a family on 2 cores (tests
+  and a first look).
 * ``field``: Garg et al.'s sizes for an accelerator: ``d = 20``, ``N = 41``
   reached by their curriculum (5 -> 20 dimensions, 11 -> 41 points, every
   2000 steps), GPT-2's 12 blocks of 8 heads at width 256 with learned
